@@ -1,0 +1,587 @@
+"""
+resharpen.py: a minimal, single-file reference for "Post-Norm can Resharpen Attention"
+(Zsamboki et al., arXiv 2510.08341).
+
+The Set Complement task: given a set of distinct tokens from a vocabulary of v, predict the
+uniform distribution over the tokens that are NOT in it. A tiny transformer with no
+positional encoding trained on short prefixes runs at any length, but its attention
+spreads over more tokens as the input grows (dispersion) and its predictions blur. A
+LayerNorm on the attention output resharpens them; an EMA of the weights averages out
+the noise of sampled next tokens. theory.md proves all of this; this file checks it.
+
+    python resharpen.py                          # Pre-Norm, no EMA: watch it degrade
+    python resharpen.py --post-norm --ema 0.999  # the paper's remedies
+    python resharpen.py --help                   # every flag, with its default
+
+Reading order: task -> model -> EMA -> training -> evaluation -> figures -> command line.
+Importing this file runs nothing; tests and notebooks use its pieces.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# configuration: every default in one place
+
+
+@dataclass
+class Config:
+    # task
+    vocab: int = 32           # v: tokens are 0 .. v-1
+    train_len: int = 12       # train on prefixes of length s = 1 .. train_len
+    targets: str = "sampled"  # 'sampled': one next token per position; 'exact': the whole target
+    # model
+    norm: str = "pre"         # where the LayerNorm sits: see NORMS below
+    n_layer: int = 1
+    n_head: int = 1
+    n_embd: int = 64
+    mlp: bool = False         # attention-only by default, like the paper's minimal model
+    dropout: float = 0.0
+    # optimization
+    steps: int = 4000
+    batch_size: int = 256
+    lr: float = 3e-3          # constant by default: the regime where gradient noise shows
+    ema: float = 0.0          # decay of the weight EMA; 0 = off
+    seed: int = 0
+    device: str = "auto"
+
+
+NORMS = {
+    "pre": "x + Attn(LN(x)), no final norm: logits read the raw residual stream",
+    "pre-final": "x + Attn(LN(x)), then LN before the unembedding (GPT-2)",
+    "post": "x + LN(Attn(x)): the norm on the attention output (resharpens; --post-norm)",
+    "post-residual": "LN(x + Attn(x)): Vaswani et al. 2017, the norm after the residual sum",
+}
+EVAL_SEED = 1234    # the evaluation permutations never change with --seed or the model
+EVAL_PERMS = 1000   # evaluation sample size: permutations of the whole vocabulary
+
+# -----------------------------------------------------------------------------
+# the Set Complement task (theory.md, section 1)
+
+
+def sample_permutations(n, vocab, generator=None):
+    """n random orderings of the vocabulary, (n, vocab). Read left to right, each next token
+    is a uniform sample from the tokens not seen yet: a sample of the task's target."""
+    return torch.argsort(torch.rand(n, vocab, generator=generator), dim=1)
+
+
+def get_batch(cfg, generator):
+    """Inputs x (B, T) and next tokens y (B, T) with T = train_len: position t of x ends
+    the prefix of length s = t + 1, and y[:, t] is a sample from that prefix's target."""
+    perm = sample_permutations(cfg.batch_size, cfg.vocab, generator)[:, : cfg.train_len + 1]
+    return perm[:, :-1], perm[:, 1:]
+
+
+def exact_target(idx, vocab):
+    """p*(prefix) for every prefix of every row: (B, T) -> (B, T, v). Zero on the tokens
+    seen so far, uniform on the rest. A prefix must not hold the whole vocabulary."""
+    seen = F.one_hot(idx, vocab).cumsum(dim=1).clamp(max=1)  # (B, T, v): 1 if seen by t
+    unseen = (1 - seen).float()
+    return unseen / unseen.sum(dim=-1, keepdim=True)
+
+# -----------------------------------------------------------------------------
+# the model: a tiny decoder-only transformer with no positional encoding
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, written out so that its weights can be read."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # W_Q, W_K, W_V
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)      # W_O
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)    # (B, nh, T, T)
+        # Causal mask only, no positions: the last token sees its prefix as a set, which
+        # is why one model runs at every length (theory.md, section 1).
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = self.drop(att) @ v                             # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)   # (B, T, C)
+        return self.c_proj(y), att
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One transformer block. cfg.norm says where its LayerNorms sit (theory.md, section 5):
+        pre, pre-final   x = x + Attn(LN(x));   x = x + MLP(LN(x))
+        post             x = x + LN(Attn(x));   x = x + LN(MLP(x))
+        post-residual    x = LN(x + Attn(x));   x = LN(x + MLP(x))
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = cfg.norm
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd) if cfg.mlp else None
+        self.mlp = MLP(cfg) if cfg.mlp else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        if self.norm in ("pre", "pre-final"):
+            a, att = self.attn(self.ln_1(x))
+            x = x + self.drop(a)
+            if self.mlp:
+                x = x + self.mlp(self.ln_2(x))
+        elif self.norm == "post":
+            # The norm rescales the attention average back to unit size however many
+            # tokens it averaged: this is what resharpens (theory.md, section 5).
+            a, att = self.attn(x)
+            x = x + self.ln_1(self.drop(a))
+            if self.mlp:
+                x = x + self.ln_2(self.mlp(x))
+        else:  # post-residual
+            a, att = self.attn(x)
+            x = self.ln_1(x + self.drop(a))
+            if self.mlp:
+                x = self.ln_2(x + self.mlp(x))
+        return x, att
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> (final LN for 'pre-final') -> unembedding. No positions."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)   # E
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd) if cfg.norm == "pre-final" else nn.Identity()
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)  # U
+        for p in self.parameters():   # GPT-2's init; LayerNorms keep weight 1, bias 0
+            if p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def forward(self, idx, return_attn=False):
+        """idx (B, T) LongTensor -> logits (B, T, v); with return_attn, also the attention
+        weights of every layer, a list of (B, n_head, T, T)."""
+        x = self.wte(idx)  # (B, T, C)
+        atts = []
+        for block in self.blocks:
+            x, att = block(x)
+            atts.append(att)
+        logits = self.lm_head(self.ln_f(x))
+        return (logits, atts) if return_attn else logits
+
+# -----------------------------------------------------------------------------
+# EMA of the weights (theory.md, section 6)
+
+
+class EMA:
+    """A shadow copy of the parameters, averaged after every optimizer step:
+        avg_t = (1 - beta_t) * avg_{t-1} + beta_t * theta_t,   beta_t = (1 - d) / (1 - d**t)
+    This beta_t is Adam's bias correction written as a weight: avg_t is exactly the
+    average of theta_1 .. theta_t with weights proportional to d**(t - k), so the random
+    initialization never enters it and a short run is not dominated by the start."""
+
+    def __init__(self, model, decay):
+        self.decay = decay
+        self.t = 0
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+
+    def beta(self, t):
+        return (1 - self.decay) / (1 - self.decay**t)
+
+    @torch.no_grad()
+    def update(self, model):
+        self.t += 1
+        beta = self.beta(self.t)
+        for s, p in zip(self.shadow, model.parameters()):
+            s.lerp_(p, beta)  # s + beta * (p - s)
+
+    @torch.no_grad()
+    def copy_to(self, model):
+        for s, p in zip(self.shadow, model.parameters()):
+            p.copy_(s)
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def pick_device(name):
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def loss_fn(logits, x, y, cfg):
+    """Cross-entropy against the sampled next token y, or against the exact target of
+    every prefix of x. Both have the same expected gradient; 'exact' has no noise."""
+    logp = F.log_softmax(logits, dim=-1)  # (B, T, v)
+    if cfg.targets == "exact":
+        return -(exact_target(x, cfg.vocab) * logp).sum(-1).mean()
+    return F.nll_loss(logp.view(-1, cfg.vocab), y.reshape(-1))
+
+
+def loss_floor(cfg):
+    """The lowest possible loss: the target's entropy, mean of log(v - s) over s."""
+    return sum(math.log(cfg.vocab - s) for s in range(1, cfg.train_len + 1)) / cfg.train_len
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def train(cfg, log=print):
+    """Train a model on the Set Complement task. Returns (model, ema or None, losses),
+    the model holding the raw (last-step) weights."""
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)                      # the initialization
+    gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
+    model = Transformer(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    ema = EMA(model, cfg.ema) if cfg.ema > 0 else None
+    losses = []
+    t0 = t_last = time.time()
+    every = max(1, cfg.steps // 8)
+    for step in range(1, cfg.steps + 1):
+        x, y = get_batch(cfg, gen)
+        x, y = x.to(device), y.to(device)
+        loss = loss_fn(model(x), x, y, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if ema:
+            ema.update(model)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise NonFiniteLoss(f"loss became {losses[-1]} at step {step}; try a smaller --lr")
+        if step % every == 0 or step == cfg.steps:
+            now = time.time()
+            rate = every / max(now - t_last, 1e-9) if step % every == 0 else step / (now - t0)
+            t_last = now
+            recent = sum(losses[-every:]) / len(losses[-every:])
+            log(f"step {step:5d}/{cfg.steps} | loss {recent:.4f} (floor {loss_floor(cfg):.4f}) "
+                f"| {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
+    return model, ema, losses
+
+# -----------------------------------------------------------------------------
+# length-extrapolation evaluation (theory.md, sections 3-5)
+
+
+@torch.no_grad()
+def evaluate(model, n_perm=EVAL_PERMS):
+    """Metrics at every prefix length s = 1 .. v-1, each averaged over n_perm fixed
+    permutations. One forward pass over whole permutations gives every length at once."""
+    v = model.cfg.vocab
+    model.eval()
+    device = next(model.parameters()).device
+    perm = sample_permutations(n_perm, v, torch.Generator().manual_seed(EVAL_SEED))
+    idx = perm[:, : v - 1].to(device)                   # prefixes of length 1 .. v-1
+    logits, atts = model(idx, return_attn=True)         # (N, T, v), T = v - 1
+    logits = logits.float()
+    p = exact_target(idx, v)                            # (N, T, v)
+    seen = p == 0
+    logq = F.log_softmax(logits, dim=-1)
+    q = logq.exp()
+    s = torch.arange(1, v, device=device, dtype=torch.float)  # prefix length at position t
+    # Total variation distance to the exact target, and the mass on seen (invalid) tokens.
+    tvd = 0.5 * (q - p).abs().sum(-1)
+    invalid = (q * seen).sum(-1)
+    # KL(p* || q): sums only over the unseen tokens, where p* > 0.
+    kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
+    # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 3).
+    gap = (logits * ~seen).sum(-1) / (v - s) - (logits * seen).sum(-1) / s
+    # Entropy of the attention row of the last position, averaged over heads and layers;
+    # it can be at most log s, reached by uniform attention: total dispersion.
+    att = torch.stack(atts)                             # (L, N, nh, T, T)
+    ent = -(att * att.clamp_min(1e-30).log()).sum(-1)   # (L, N, nh, T)
+    ent = ent.mean(dim=(0, 1, 2))
+    model.train()
+    mean = lambda m: [round(float(a), 6) for a in m.mean(0)]  # average over permutations
+    return {"length": list(range(1, v)), "tvd": mean(tvd), "invalid_mass": mean(invalid),
+            "kl": mean(kl), "attn_entropy": [round(float(a), 6) for a in ent],
+            "logit_gap": mean(gap)}
+
+
+def summarize(metrics, train_len):
+    """Mean TVD over the training lengths, over the extrapolation lengths, and at the last."""
+    tvd = metrics["tvd"]
+    return {"tvd_train": sum(tvd[:train_len]) / train_len,
+            "tvd_extrap": sum(tvd[train_len:]) / len(tvd[train_len:]),
+            "tvd_last": tvd[-1]}
+
+
+def format_table(metrics, train_len, raw=None):
+    """A compact table, one row per selected length."""
+    v = len(metrics["length"]) + 1
+    rows = sorted({1, 2, 4, train_len, train_len + 1, 2 * train_len, v - 1} | set(range(8, v, 8)))
+    head = f"{'s':>4} {'TVD':>7} {'invalid':>8} {'KL':>7} {'H(attn)':>8} {'log s':>6} {'gap':>7}"
+    head += f" {'TVD raw':>8}" if raw else ""
+    lines = [head]
+    for s in (r for r in rows if 1 <= r <= v - 1):
+        i = s - 1
+        line = (f"{s:>4} {metrics['tvd'][i]:7.4f} {metrics['invalid_mass'][i]:8.4f} "
+                f"{metrics['kl'][i]:7.4f} {metrics['attn_entropy'][i]:8.3f} "
+                f"{math.log(s):6.3f} {metrics['logit_gap'][i]:7.3f}")
+        line += f" {raw['tvd'][i]:8.4f}" if raw else ""
+        lines.append(line + ("   <- longest training length" if s == train_len else ""))
+    return "\n".join(lines)
+
+# -----------------------------------------------------------------------------
+# figures (matplotlib's object API with the Agg canvas: no screen, no global state)
+
+
+def _figure(ncols=1):
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5.2 * ncols, 3.8), layout="constrained")
+    return fig, fig.subplots(1, ncols)
+
+
+def _save(fig, path):
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def plot_length(metrics, cfg, out, raw=None):
+    """plots/length.png: TVD and invalid mass against length, training lengths shaded."""
+    fig, axes = _figure(2)
+    s = metrics["length"]
+    for ax, key, title in zip(axes, ("tvd", "invalid_mass"),
+                              ("TVD to the exact target", "invalid mass (on seen tokens)")):
+        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
+        if raw:
+            ax.plot(s, raw[key], color="tab:gray", lw=1.2, label="raw weights")
+        ax.plot(s, metrics[key], color="tab:blue", lw=2,
+                label=f"EMA {cfg.ema}" if raw else "model")
+        ax.set(xlabel="prefix length s", title=title, ylim=(0, None), xlim=(0.5, s[-1] + 0.5))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"norm={cfg.norm}, ema={cfg.ema}, targets={cfg.targets}, seed={cfg.seed}",
+                 fontsize=10)
+    _save(fig, os.path.join(out, "length.png"))
+
+
+def plot_attention(metrics, cfg, out):
+    """plots/attention.png: entropy of the last position's attention against log s."""
+    fig, ax = _figure()
+    logs = [math.log(s) for s in metrics["length"]]
+    ax.axvspan(0, math.log(cfg.train_len + 0.5), color="0.9", label="training lengths")
+    ax.plot(logs, logs, "k--", lw=1, label="log s (uniform attention)")
+    ax.plot(logs, metrics["attn_entropy"], "o-", ms=3, label="model")
+    ax.set(xlabel="log s", ylabel="attention entropy (nats)", title="attention dispersion")
+    ax.legend(fontsize=8)
+    _save(fig, os.path.join(out, "attention.png"))
+
+
+def plot_loss(losses, cfg, out):
+    """plots/loss.png: the training loss, smoothed over 50 steps, and its floor."""
+    fig, ax = _figure()
+    k = min(50, len(losses))
+    smooth = [sum(losses[i:i + k]) / k for i in range(len(losses) - k + 1)]
+    ax.plot(range(k, len(losses) + 1), smooth, lw=1, label=f"{cfg.targets} loss ({k}-step mean)")
+    ax.axhline(loss_floor(cfg), color="k", ls="--", lw=1, label="floor: entropy of the target")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="training loss")
+    ax.legend(fontsize=8)
+    _save(fig, os.path.join(out, "loss.png"))
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+
+def save_checkpoint(path, model, ema, cfg):
+    """Write config, raw and EMA weights to a temporary file, then rename: a crash never
+    leaves a half-written checkpoint."""
+    ckpt = {"config": asdict(cfg), "model": model.state_dict()}
+    if ema:
+        ckpt["ema"] = [s.cpu() for s in ema.shadow]
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(ckpt, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path, raw=False, device="cpu"):
+    """A ready model in eval mode: the EMA weights if the run had them (unless raw=True)."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    cfg = Config(**ckpt["config"])
+    model = Transformer(cfg)
+    model.load_state_dict(ckpt["model"])
+    if "ema" in ckpt and not raw:
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), ckpt["ema"]):
+                p.copy_(s)
+    return model.to(device).eval()
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def write_json(obj, path):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line naming what is wrong, exit code 2: no usage dump, no traceback."""
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser():
+    d = Config()
+    p = Parser(prog="resharpen.py", formatter_class=HelpFormatter,
+               description="Set Complement task: train a tiny transformer on short prefixes, "
+                           "evaluate it at every length, write figures and metrics.json.",
+               epilog="where the LayerNorm sits (--norm):\n" +
+               "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
+    a = p.add_argument
+    a("--vocab", type=int, default=d.vocab, help="vocabulary size v (at least 3)")
+    a("--train-len", type=int, default=d.train_len, help="train on prefix lengths 1 .. this")
+    a("--targets", choices=["sampled", "exact"], default=d.targets,
+      help="train on one sampled next token per position, or on the exact distribution")
+    a("--norm", choices=list(NORMS), default=d.norm, help="where the LayerNorm sits (below)")
+    a("--post-norm", action="store_const", dest="norm", const="post",
+      help="shorthand for --norm post: x + LN(Attn(x))")
+    a("--n-layer", type=int, default=d.n_layer, help="number of blocks")
+    a("--n-head", type=int, default=d.n_head, help="attention heads per block")
+    a("--n-embd", type=int, default=d.n_embd, help="width of the residual stream")
+    a("--mlp", action="store_true", help="add an MLP to each block (default: attention only)")
+    a("--dropout", type=float, default=d.dropout, help="dropout probability")
+    a("--steps", type=int, default=d.steps, help="optimizer steps")
+    a("--batch-size", type=int, default=d.batch_size, help="permutations per step")
+    a("--lr", type=float, default=d.lr, help="AdamW learning rate, constant")
+    a("--ema", type=float, default=d.ema, help="EMA decay of the weights, in [0, 1); 0 = off")
+    a("--seed", type=int, default=d.seed, help="seed of the initialization and training data")
+    a("--device", choices=["auto", "cpu", "cuda", "mps"], default=d.device,
+      help="auto: cuda, then mps, then cpu")
+    a("--out", default="plots", help="folder for the figures and metrics.json")
+    a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
+    return p
+
+
+def check_args(args, parser):
+    """Reject bad input up front, before any training time is spent."""
+    bad = parser.error
+    if args.vocab < 3:
+        bad(f"--vocab must be at least 3, got {args.vocab}")
+    if not 1 <= args.train_len <= args.vocab - 1:
+        bad(f"--train-len must be in 1 .. vocab-1 = {args.vocab - 1}, got {args.train_len}")
+    if not 0 <= args.ema < 1:
+        bad(f"--ema must be in [0, 1), got {args.ema}")
+    if not 0 <= args.dropout < 1:
+        bad(f"--dropout must be in [0, 1), got {args.dropout}")
+    for flag in ("steps", "batch_size", "n_layer", "n_head", "n_embd"):
+        if getattr(args, flag) < 1:
+            bad(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        bad(f"--lr must be a positive number, got {args.lr}")
+    if args.n_embd % args.n_head:
+        bad(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        bad("--device cuda: no CUDA device here; allowed: auto, cpu" +
+            (", mps" if torch.backends.mps.is_available() else ""))
+    if args.device == "mps" and not torch.backends.mps.is_available():
+        bad("--device mps: no MPS device here; allowed: auto, cpu" +
+            (", cuda" if torch.cuda.is_available() else ""))
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as e:
+        bad(f"--out {args.out}: cannot write there ({e.strerror})")
+    if args.save:
+        folder = os.path.dirname(os.path.abspath(args.save))
+        if os.path.isdir(args.save) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            bad(f"--save {args.save}: cannot write a file there")
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
+    device = pick_device(cfg.device)
+    print(f"Set Complement: v={cfg.vocab}, train lengths 1..{cfg.train_len}, "
+          f"norm={cfg.norm} [{NORMS[cfg.norm]}], ema={cfg.ema}, targets={cfg.targets}, "
+          f"seed={cfg.seed}, device={device}")
+    t0 = time.time()
+    try:
+        model, ema, losses = train(cfg)
+    except NonFiniteLoss as e:
+        print(f"resharpen.py: stopped: {e}. Nothing was written.", file=sys.stderr)
+        sys.exit(1)
+    train_time = time.time() - t0
+
+    raw = evaluate(model)
+    if ema:
+        averaged = copy.deepcopy(model)
+        ema.copy_to(averaged)
+        metrics = evaluate(averaged)
+    else:
+        metrics, raw = raw, None
+    print(f"\nevaluated on {EVAL_PERMS} fixed permutations" +
+          (f" with the EMA weights (raw weights in the last column)" if raw else ""))
+    print(format_table(metrics, cfg.train_len, raw))
+    summary = summarize(metrics, cfg.train_len)
+    line = (f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation "
+            f"{cfg.train_len + 1}..{cfg.vocab - 1} {summary['tvd_extrap']:.4f}")
+    if raw:
+        r = summarize(raw, cfg.train_len)
+        line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"
+    print(line)
+
+    result = {"config": asdict(cfg), **metrics, "summary": summary,
+              "train_seconds": round(train_time, 2)}
+    if raw:
+        result["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
+    write_json(result, os.path.join(args.out, "metrics.json"))
+    plot_length(metrics, cfg, args.out, raw)
+    plot_attention(metrics, cfg, args.out)
+    plot_loss(losses, cfg, args.out)
+    written = ["metrics.json", "length.png", "attention.png", "loss.png"]
+    if args.save:
+        save_checkpoint(args.save, model, ema, cfg)
+    print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}"
+          + (f", {args.save}" if args.save else "") + f" | {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Tests for resharpen.py: each checks one claim against something computed independently
+(a loop over tokens, a closed form, a formula written out by hand). CPU only, seconds."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import resharpen as R
+
+
+def tiny(**kw):
+    cfg = dict(vocab=7, train_len=4, n_embd=8, n_head=2, steps=1, batch_size=4)
+    cfg.update(kw)
+    return R.Config(**cfg)
+
+
+def randomize(model, seed=0):
+    """Weights of size 1, LayerNorm gains and biases away from (1, 0), so no term hides."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() == 2 else 0.3)
+                    + (1.0 if p.dim() == 1 else 0.0))
+    return model.eval()
+
+# ----------------------------------------------------------------------------- task
+
+
+def test_batches_are_prefixes_of_permutations_and_next_token_is_unseen():
+    cfg = tiny(batch_size=200)
+    x, y = R.get_batch(cfg, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (200, cfg.train_len)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        seq = row_x + row_y[-1:]
+        assert len(set(seq)) == len(seq) and all(0 <= t < cfg.vocab for t in seq)
+        assert row_y[:-1] == row_x[1:]                 # y is x shifted by one
+        for t, nxt in enumerate(row_y):
+            assert nxt not in row_x[: t + 1]
+
+
+def test_next_token_is_uniform_over_unseen_tokens():
+    # The first next token after prefix (a,) should be each of the v-1 others equally often.
+    v, n = 5, 40000
+    perm = R.sample_permutations(n, v, torch.Generator().manual_seed(1))
+    pairs = torch.bincount(perm[:, 0] * v + perm[:, 1], minlength=v * v).view(v, v).float()
+    expected = n / (v * (v - 1))
+    off_diag = pairs[~torch.eye(v, dtype=torch.bool)]
+    assert pairs.diag().sum() == 0
+    assert (off_diag - expected).abs().max() < 5 * math.sqrt(expected)
+
+
+def test_exact_target_matches_a_loop_over_tokens():
+    v = 6
+    idx = R.sample_permutations(10, v, torch.Generator().manual_seed(2))[:, : v - 1]
+    p = R.exact_target(idx, v)
+    for b in range(idx.shape[0]):
+        for t in range(v - 1):
+            seen = set(idx[b, : t + 1].tolist())
+            want = [0.0 if i in seen else 1.0 / (v - len(seen)) for i in range(v)]
+            assert torch.allclose(p[b, t], torch.tensor(want), atol=1e-7)
+    assert torch.allclose(p.sum(-1), torch.ones(10, v - 1))
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("norm", list(R.NORMS))
+def test_changing_a_later_token_leaves_earlier_logits_unchanged(norm):
+    model = randomize(R.Transformer(tiny(norm=norm, mlp=True)))
+    a = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    b = torch.tensor([[0, 1, 2, 3, 6, 5]])
+    la, lb = model(a), model(b)
+    assert torch.allclose(la[:, :4], lb[:, :4], atol=1e-6)
+    assert not torch.allclose(la[:, 4], lb[:, 4], atol=1e-3)
+
+
+@pytest.mark.parametrize("norm", list(R.NORMS))
+def test_prefix_order_does_not_change_last_logits(norm):
+    # No positional encoding: in one layer the last position sees its prefix as a set.
+    # (From two layers on, earlier positions carry their own prefixes, and order leaks in.)
+    model = randomize(R.Transformer(tiny(norm=norm, mlp=True)))
+    a = torch.tensor([[0, 1, 2, 3, 4]])
+    b = torch.tensor([[2, 0, 3, 1, 4]])
+    assert torch.allclose(model(a)[0, -1], model(b)[0, -1], atol=1e-5)
+
+
+def layer_norm_by_hand(x, ln):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + ln.eps) * ln.weight + ln.bias
+
+
+def attention_by_hand(x, attn):
+    """One position at a time, one head at a time, with an explicit softmax."""
+    T, C = x.shape
+    nh = attn.n_head
+    hs = C // nh
+    Wq, Wk, Wv = attn.c_attn.weight.split(C, dim=0)  # each (C, C): out x in
+    out = torch.zeros(T, C)
+    for t in range(T):
+        for h in range(nh):
+            sl = slice(h * hs, (h + 1) * hs)
+            q = Wq[sl] @ x[t]
+            scores = torch.stack([q @ (Wk[sl] @ x[i]) / math.sqrt(hs) for i in range(t + 1)])
+            w = torch.exp(scores - scores.max())
+            w = w / w.sum()
+            out[t, sl] = sum(w[i] * (Wv[sl] @ x[i]) for i in range(t + 1))
+    return out @ attn.c_proj.weight.T
+
+
+@pytest.mark.parametrize("norm", list(R.NORMS))
+def test_each_norm_placement_equals_its_formula(norm):
+    model = randomize(R.Transformer(tiny(norm=norm, n_head=2)))
+    idx = torch.tensor([3, 0, 6, 2, 5])
+    block = model.blocks[0]
+    x = model.wte.weight[idx]
+    attn = lambda h: attention_by_hand(h, block.attn)
+    ln = lambda h: layer_norm_by_hand(h, block.ln_1)
+    if norm in ("pre", "pre-final"):
+        x = x + attn(ln(x))            # x + Attn(LN(x))
+    elif norm == "post":
+        x = x + ln(attn(x))            # x + LN(Attn(x))
+    else:
+        x = ln(x + attn(x))            # LN(x + Attn(x))
+    if norm == "pre-final":
+        x = layer_norm_by_hand(x, model.ln_f)
+    want = x @ model.lm_head.weight.T
+    assert torch.allclose(model(idx[None])[0], want, atol=1e-5)
+
+# ----------------------------------------------------------------------------- EMA
+
+
+def test_ema_equals_its_closed_form_weighted_average():
+    # avg_t = sum_k (1-d) d^(t-k) theta_k / (1 - d^t): the initialization has no weight.
+    d = 0.9
+    model = torch.nn.Linear(3, 2)
+    ema = R.EMA(model, d)
+    thetas = [torch.randn(2, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    for th in thetas:
+        with torch.no_grad():
+            model.weight.copy_(th)
+        ema.update(model)
+    t = len(thetas)
+    want = sum((1 - d) * d ** (t - k) * thetas[k - 1] for k in range(1, t + 1)) / (1 - d**t)
+    assert torch.allclose(ema.shadow[0], want, atol=1e-6)
+    ema.update(model)  # beta_1 = 1: the first update forgets the initialization entirely
+    fresh = R.EMA(model, d)
+    fresh.update(model)
+    assert torch.allclose(fresh.shadow[0], thetas[-1])
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+class Oracle(torch.nn.Module):
+    """Outputs log p* (seen tokens at -1e9) and attends uniformly."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.cfg = R.Config(vocab=vocab)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx, return_attn=False):
+        logits = R.exact_target(idx, self.cfg.vocab).clamp_min(1e-30).log().clamp_min(-1e9)
+        T = idx.shape[1]
+        att = torch.ones(T, T).tril()
+        att = (att / att.sum(-1, keepdim=True)).expand(idx.shape[0], 1, T, T)
+        return (logits, [att]) if return_attn else logits
+
+
+def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
+    m = R.evaluate(Oracle(9), n_perm=50)
+    assert max(m["tvd"]) < 1e-6 and max(m["invalid_mass"]) < 1e-6 and max(m["kl"]) < 1e-6
+    # Uniform attention over s tokens has entropy log s.
+    assert all(abs(h - math.log(s)) < 1e-5 for s, h in zip(m["length"], m["attn_entropy"]))
+
+
+def test_uniform_prediction_metrics_match_closed_forms():
+    # Zero logits predict 1/v everywhere: TVD = invalid = s/v, KL = log(v/(v-s)), gap = 0.
+    v = 10
+    model = R.Transformer(R.Config(vocab=v, n_embd=8))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    m = R.evaluate(model, n_perm=20)
+    for i, s in enumerate(m["length"]):
+        assert m["tvd"][i] == pytest.approx(s / v, abs=1e-6)
+        assert m["invalid_mass"][i] == pytest.approx(s / v, abs=1e-6)
+        assert m["kl"][i] == pytest.approx(math.log(v / (v - s)), abs=1e-5)
+        assert m["logit_gap"][i] == pytest.approx(0, abs=1e-6)
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("targets", ["sampled", "exact"])
+def test_a_few_hundred_steps_lower_the_loss(targets):
+    cfg = R.Config(vocab=10, train_len=5, n_embd=16, steps=300, batch_size=64,
+                   targets=targets, norm="post", device="cpu")
+    _, _, losses = R.train(cfg, log=lambda *a: None)
+    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    assert last < first - 0.1 and last > R.loss_floor(cfg) - 0.05
+
+
+def test_same_seed_gives_same_numbers():
+    cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=20, batch_size=8, device="cpu")
+    assert R.train(cfg, log=lambda *a: None)[2] == R.train(cfg, log=lambda *a: None)[2]
+
+
+def test_save_and_load_give_identical_logits(tmp_path):
+    cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=30, batch_size=8, ema=0.9, device="cpu")
+    model, ema, _ = R.train(cfg, log=lambda *a: None)
+    path = str(tmp_path / "ckpt.pt")
+    R.save_checkpoint(path, model, ema, cfg)
+    idx = R.sample_permutations(3, 8)[:, :7]
+    raw = R.load_checkpoint(path, raw=True)
+    assert not raw.training
+    assert torch.equal(raw(idx), model.eval()(idx))
+    ema.copy_to(model)
+    assert torch.equal(R.load_checkpoint(path)(idx), model(idx))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]   # no temporary file left behind
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_main_writes_metrics_figures_and_checkpoint(tmp_path, capsys):
+    out = tmp_path / "out"
+    R.main(["--vocab", "8", "--train-len", "3", "--steps", "10", "--batch-size", "8",
+            "--n-embd", "8", "--post-norm", "--ema", "0.9", "--out", str(out),
+            "--save", str(tmp_path / "m.pt"), "--device", "cpu"])
+    files = sorted(os.listdir(out))
+    assert files == ["attention.png", "length.png", "loss.png", "metrics.json"]
+    import json
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["length"] == list(range(1, 8)) and m["config"]["norm"] == "post"
+    for key in ("tvd", "invalid_mass", "kl", "attn_entropy", "logit_gap"):
+        assert len(m[key]) == 7 and len(m["raw"][key]) == 7
+    assert (tmp_path / "m.pt").exists()
+    assert "mean TVD" in capsys.readouterr().out
+
+
+def expect_exit_2(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        R.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err, err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--vocab", "2"], "--vocab"),
+    (["--vocab", "ten"], "--vocab"),
+    (["--train-len", "0"], "--train-len"),
+    (["--vocab", "8", "--train-len", "8"], "--train-len"),
+    (["--ema", "1"], "--ema"),
+    (["--ema", "-0.1"], "--ema"),
+    (["--steps", "0"], "--steps"),
+    (["--batch-size", "-3"], "--batch-size"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--n-embd", "10", "--n-head", "3"], "--n-embd"),
+    (["--norm", "middle"], "--norm"),
+    (["--targets", "soft"], "--targets"),
+])
+def test_bad_input_exits_2_with_one_line(argv, flag, capsys, tmp_path):
+    expect_exit_2(argv + ["--out", str(tmp_path)], flag, capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_where_there_is_none_exits_2(capsys, tmp_path):
+    expect_exit_2(["--device", "cuda", "--out", str(tmp_path)], "--device", capsys)
+
+
+def test_unwritable_paths_exit_2(capsys, tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    expect_exit_2(["--out", str(a_file / "sub")], "--out", capsys)
+    expect_exit_2(["--out", str(tmp_path), "--save", str(tmp_path / "no" / "m.pt")], "--save",
+                  capsys)
+
+
+def test_nan_loss_stops_and_writes_nothing(capsys, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        R.main(["--lr", "1e30", "--steps", "50", "--out", str(out),
+                "--save", str(tmp_path / "m.pt"), "--device", "cpu"])
+    assert e.value.code == 1
+    assert "at step" in capsys.readouterr().err
+    assert os.listdir(out) == [] and not (tmp_path / "m.pt").exists()
