@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -52,7 +52,9 @@ class Config:
     steps: int = 4000
     batch_size: int = 256
     lr: float = 3e-3          # constant by default: the regime where gradient noise shows
+    lr_schedule: str = "constant"  # or 'cosine': decay to zero over the run
     ema: float = 0.0          # decay of the weight EMA; 0 = off
+    bema: bool = False        # bias-corrected EMA (BEMA) instead of the plain EMA
     seed: int = 0
     device: str = "auto"
 
@@ -221,10 +223,64 @@ class EMA:
         for s, p in zip(self.shadow, model.parameters()):
             s.lerp_(p, beta)  # s + beta * (p - s)
 
+    def averaged(self):
+        """The weights to evaluate."""
+        return self.shadow
+
     @torch.no_grad()
     def copy_to(self, model):
-        for s, p in zip(self.shadow, model.parameters()):
-            p.copy_(s)
+        for a, p in zip(self.averaged(), model.parameters()):
+            p.copy_(a)
+
+
+class BEMA(EMA):
+    """Bias-corrected EMA (Block & Zhang 2025, "EMA Without the Lag"), with their defaults:
+        beta_t  = (rho + gamma t)^-kappa            the weight of the new iterate
+        alpha_t = (rho + gamma t)^-eta              the strength of the correction
+        ema_t   = (1 - beta_t) ema_{t-1} + beta_t theta_t,   ema_0 = theta_0
+        bema_t  = alpha_t (theta_t - theta_0) + ema_t
+    theta_0 is the initialization (no burn-in). The correction adds back part of the
+    last step's drift, which cancels the lag an average has behind moving weights."""
+
+    def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
+        super().__init__(model, decay=None)
+        self.kappa, self.eta, self.rho, self.gamma, self.correct = kappa, eta, rho, gamma, correct
+        self.theta0 = [p.detach().clone() for p in model.parameters()]
+        self.corrected = self.shadow
+
+    def beta(self, t):
+        return (self.rho + self.gamma * t) ** -self.kappa
+
+    def alpha(self, t):
+        return (self.rho + self.gamma * t) ** -self.eta if self.correct else 0.0
+
+    @torch.no_grad()
+    def update(self, model):
+        super().update(model)
+        a = self.alpha(self.t)
+        self.corrected = [s + a * (p - p0) for s, p, p0 in
+                          zip(self.shadow, model.parameters(), self.theta0)]
+
+    def averaged(self):
+        return self.corrected
+
+
+def make_averager(model, cfg):
+    """The weight average cfg asks for: BEMA, a plain EMA, or none."""
+    if cfg.bema:
+        return BEMA(model)
+    return EMA(model, cfg.ema) if cfg.ema > 0 else None
+
+
+def average_name(cfg):
+    return "BEMA" if cfg.bema else f"EMA {cfg.ema}" if cfg.ema > 0 else "none"
+
+
+def averaged_copy(model, averager):
+    """A copy of the model holding the averaged weights; the model keeps the raw ones."""
+    model = copy.deepcopy(model)
+    averager.copy_to(model)
+    return model
 
 # -----------------------------------------------------------------------------
 # training
@@ -258,27 +314,41 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def train(cfg, log=print):
-    """Train a model on the Set Complement task. Returns (model, ema or None, losses),
-    the model holding the raw (last-step) weights."""
+def learning_rate(cfg, step):
+    """Constant, or a cosine decay from cfg.lr at step 1 to zero at the last step."""
+    if cfg.lr_schedule == "cosine":
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / max(cfg.steps - 1, 1)))
+    return cfg.lr
+
+
+def train(cfg, log=print, averagers=None):
+    """Train a model on the Set Complement task. Returns (model, averagers, losses): the
+    model holds the raw (last-step) weights; averagers are the weight averages updated
+    after every step (by default the one cfg asks for). They never feed back into
+    training, so one run gives the numbers with and without them."""
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)                      # the initialization
     gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
     model = Transformer(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    ema = EMA(model, cfg.ema) if cfg.ema > 0 else None
+    if averagers is None:
+        averagers = [a for a in [make_averager(model, cfg)] if a]
+    else:
+        averagers = [make(model) for make in averagers]
     losses = []
     t0 = t_last = time.time()
     every = max(1, cfg.steps // 8)
     for step in range(1, cfg.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(cfg, step)
         x, y = get_batch(cfg, gen)
         x, y = x.to(device), y.to(device)
         loss = loss_fn(model(x), x, y, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if ema:
-            ema.update(model)
+        for avg in averagers:
+            avg.update(model)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             raise NonFiniteLoss(f"loss became {losses[-1]} at step {step}; try a smaller --lr")
@@ -289,7 +359,7 @@ def train(cfg, log=print):
             recent = sum(losses[-every:]) / len(losses[-every:])
             log(f"step {step:5d}/{cfg.steps} | loss {recent:.4f} (floor {loss_floor(cfg):.4f}) "
                 f"| {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
-    return model, ema, losses
+    return model, averagers, losses
 
 # -----------------------------------------------------------------------------
 # length-extrapolation evaluation (theory.md, sections 3-5)
@@ -380,10 +450,11 @@ def plot_length(metrics, cfg, out, raw=None):
         if raw:
             ax.plot(s, raw[key], color="tab:gray", lw=1.2, label="raw weights")
         ax.plot(s, metrics[key], color="tab:blue", lw=2,
-                label=f"EMA {cfg.ema}" if raw else "model")
+                label=average_name(cfg) if raw else "model")
         ax.set(xlabel="prefix length s", title=title, ylim=(0, None), xlim=(0.5, s[-1] + 0.5))
         ax.legend(fontsize=8)
-    fig.suptitle(f"norm={cfg.norm}, ema={cfg.ema}, targets={cfg.targets}, seed={cfg.seed}",
+    fig.suptitle(f"norm={cfg.norm}, averaging={average_name(cfg)}, targets={cfg.targets}, "
+                 f"seed={cfg.seed}",
                  fontsize=10)
     _save(fig, os.path.join(out, "length.png"))
 
@@ -412,15 +483,22 @@ def plot_loss(losses, cfg, out):
     _save(fig, os.path.join(out, "loss.png"))
 
 # -----------------------------------------------------------------------------
-# checkpoints
+# files: written to a temporary name, then renamed, so a crash never leaves half a file
 
 
-def save_checkpoint(path, model, ema, cfg):
+def write_json(obj, path):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path, model, averager, cfg):
     """Write config, raw and EMA weights to a temporary file, then rename: a crash never
     leaves a half-written checkpoint."""
     ckpt = {"config": asdict(cfg), "model": model.state_dict()}
-    if ema:
-        ckpt["ema"] = [s.cpu() for s in ema.shadow]
+    if averager:
+        ckpt["ema"] = [a.cpu() for a in averager.averaged()]
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     os.close(fd)
@@ -445,14 +523,198 @@ def load_checkpoint(path, raw=False, device="cpu"):
     return model.to(device).eval()
 
 # -----------------------------------------------------------------------------
+# the comparison experiment: every claim of the paper, 3 seeds each (README, "Results")
+
+COMPARE_SEEDS = 3
+COMPARE_EMA = 0.999
+AVERAGES = ("raw", "ema", "bema")
+AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
+
+
+def compare_grid(base):
+    """Every run of the comparison. Each run trains once and is evaluated with its raw,
+    EMA and BEMA weights: the averages never feed back into training, so 'EMA off' is
+    exactly the raw weights of the same run."""
+    seeds = [base.seed + i for i in range(COMPARE_SEEDS)]
+    sampled = dict(targets="sampled", lr_schedule="constant", ema=0.0, bema=False)
+    runs = [replace(base, norm=n, seed=s, **sampled) for n in NORMS for s in seeds]
+    for targets in ("sampled", "exact"):          # where the noise comes from (post-norm)
+        for schedule in ("constant", "cosine"):
+            if (targets, schedule) != ("sampled", "constant"):   # that one is above
+                runs += [replace(base, norm="post", targets=targets, lr_schedule=schedule,
+                                 ema=0.0, bema=False, seed=s) for s in seeds]
+    return runs
+
+
+def compare_one(cfg, threads=None):
+    """Train one configuration and evaluate its raw, EMA and BEMA weights."""
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.time()
+    model, (ema, bema), _ = train(cfg, log=lambda *a: None,
+                                  averagers=[lambda m: EMA(m, COMPARE_EMA), BEMA])
+    result = {"raw": evaluate(model), "ema": evaluate(averaged_copy(model, ema)),
+              "bema": evaluate(averaged_copy(model, bema))}
+    return cfg, result, time.time() - t0
+
+
+def compare_rows(runs):
+    """Group finished runs by configuration: {(norm, targets, schedule, average): [metrics]}."""
+    rows = {}
+    for cfg, result, _ in runs:
+        for avg in AVERAGES:
+            key = (cfg.norm, cfg.targets, cfg.lr_schedule, avg)
+            rows.setdefault(key, []).append(result[avg])
+    return rows
+
+
+def compare_table(rows, train_len, wall, n_runs, workers):
+    def stat(values):
+        mean = sum(values) / len(values)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
+        return f"{mean:.3f} ± {sd:.3f}"
+
+    def line(key):
+        sums = [summarize(m, train_len) for m in rows[key]]
+        return " | ".join(stat([s[k] for s in sums]) for k in ("tvd_train", "tvd_extrap",
+                                                                   "tvd_last"))
+    head = "| TVD, training lengths | TVD, extrapolation | TVD at the longest length |"
+    sep = "|---" * 5 + "|"
+    out = ["### Where the norm sits (sampled targets, constant learning rate)", "",
+           "| norm | weight average " + head, sep]
+    for norm in NORMS:
+        for avg in AVERAGES:
+            out.append(f"| `{norm}` | {AVERAGE_LABELS[avg]} | {line((norm, 'sampled', 'constant', avg))} |")
+    out += ["", "### Where the noise comes from (`post` norm)", "",
+            "| targets, schedule | weight average " + head, sep]
+    for targets in ("sampled", "exact"):
+        for schedule in ("constant", "cosine"):
+            for avg in AVERAGES:
+                out.append(f"| {targets}, {schedule} | {AVERAGE_LABELS[avg]} | "
+                           f"{line(('post', targets, schedule, avg))} |")
+    out += ["", f"Mean ± standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
+            f"{wall:.0f} s wall in {workers} worker process(es)."]
+    return "\n".join(out)
+
+
+def _band(ax, xs, curves, label, color):
+    mean = [sum(c) / len(c) for c in zip(*curves)]
+    ax.fill_between(xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
+                    color=color, alpha=0.2, lw=0)
+    ax.plot(xs, mean, color=color, lw=2, label=label)
+
+
+def plot_compare_norms(rows, cfg, out):
+    """compare_norms.png: TVD against length per norm placement, mean and min-max band."""
+    fig, axes = _figure(2)
+    colors = dict(zip(NORMS, ("tab:red", "tab:orange", "tab:purple", "tab:blue")))
+    for ax, avg in zip(axes, ("raw", "ema")):
+        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
+        for norm in NORMS:
+            curves = [m["tvd"] for m in rows[(norm, "sampled", "constant", avg)]]
+            _band(ax, list(range(1, cfg.vocab)), curves, f"{norm}: {NORMS[norm].split(':')[0]}",
+                  colors[norm])
+        ax.set(xlabel="prefix length s", ylabel="TVD to the exact target", ylim=(0, 1),
+               xlim=(0.5, cfg.vocab - 0.5), title=f"weight average: {AVERAGE_LABELS[avg]}")
+        ax.legend(fontsize=7, loc="upper left")
+    _save(fig, os.path.join(out, "compare_norms.png"))
+
+
+def plot_compare_dispersion(rows, cfg, out):
+    """compare_dispersion.png: attention entropy against log s, and the logit gap against s,
+    for Pre-Norm and Post-Norm (EMA weights)."""
+    fig, (ax1, ax2) = _figure(2)
+    s = list(range(1, cfg.vocab))
+    logs = [math.log(x) for x in s]
+    ax1.plot(logs, logs, "k--", lw=1, zorder=3, label="log s: uniform attention")
+    for norm, color in (("pre", "tab:red"), ("post", "tab:blue")):
+        runs = rows[(norm, "sampled", "constant", "ema")]
+        _band(ax1, logs, [m["attn_entropy"] for m in runs], norm, color)
+        _band(ax2, s, [m["logit_gap"] for m in runs], norm, color)
+    ax1.axvspan(0, math.log(cfg.train_len + 0.5), color="0.9")
+    ax2.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
+    ax1.set(xlabel="log s", ylabel="attention entropy, last position (nats)",
+            title="attention disperses over the whole prefix")
+    ax2.set(xlabel="prefix length s", ylabel="mean logit: unseen minus seen",
+            title="logit gap (theory.md, sections 3 and 5)", ylim=(0, None))
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    _save(fig, os.path.join(out, "compare_dispersion.png"))
+
+
+def plot_compare_noise(rows, cfg, out):
+    """compare_noise.png: post-norm TVD per targets/schedule, per weight average."""
+    fig, axes = _figure(2)
+    groups = [(t, sch) for t in ("sampled", "exact") for sch in ("constant", "cosine")]
+    width = 0.27
+    for ax, key, title in zip(axes, ("tvd_train", "tvd_extrap"),
+                              ("training lengths", "extrapolation lengths")):
+        for j, (avg, color) in enumerate(zip(AVERAGES, ("0.6", "tab:blue", "tab:green"))):
+            vals = [[summarize(m, cfg.train_len)[key] for m in rows[("post", *g, avg)]]
+                    for g in groups]
+            mean = [sum(v) / len(v) for v in vals]
+            err = [[m - min(v) for m, v in zip(mean, vals)], [max(v) - m for m, v in zip(mean, vals)]]
+            xs = [i + (j - 1) * width for i in range(len(groups))]
+            ax.bar(xs, mean, width, yerr=err, color=color, label=AVERAGE_LABELS[avg], capsize=2)
+        ax.set_xticks(range(len(groups)), [f"{t}\n{sch}" for t, sch in groups], fontsize=8)
+        ax.set(ylabel="mean TVD", title=f"post-norm, {title}")
+        ax.legend(fontsize=8)
+    _save(fig, os.path.join(out, "compare_noise.png"))
+
+
+def compare(base, out):
+    """Run the grid, on every CPU core at once (one thread each) or one run at a time on a
+    GPU; print a line per run; write compare.md, compare.json and three figures."""
+    runs = compare_grid(base)
+    device = pick_device(base.device)
+    workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
+    print(f"comparison: {len(runs)} training runs of {base.steps} steps on {device}, "
+          f"{workers} at a time")
+    t0 = time.time()
+    done = []
+    if workers > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+        results = pool.imap_unordered(_compare_one_thread, runs)
+    else:
+        pool, results = None, map(compare_one, runs)
+    try:
+        for cfg, result, seconds in results:
+            done.append((cfg, result, seconds))
+            elapsed = time.time() - t0
+            s = {a: summarize(result[a], cfg.train_len)["tvd_extrap"] for a in AVERAGES}
+            print(f"[{len(done):2d}/{len(runs)}] {cfg.norm:13s} {cfg.targets:7s} "
+                  f"{cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD raw {s['raw']:.3f} "
+                  f"ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s | grid ETA "
+                  f"{elapsed / len(done) * (len(runs) - len(done)):.0f}s", flush=True)
+    finally:
+        if pool:
+            pool.terminate()
+    wall = time.time() - t0
+    rows = compare_rows(done)
+    table = compare_table(rows, base.train_len, wall, len(runs), workers)
+    print("\n" + table)
+    with open(os.path.join(out, "compare.md.tmp"), "w") as f:
+        f.write(f"Written by `python resharpen.py --compare` (v={base.vocab}, train lengths "
+                f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}"
+                f").\n\n{table}\n")
+    os.replace(os.path.join(out, "compare.md.tmp"), os.path.join(out, "compare.md"))
+    write_json({"config": asdict(base), "wall_seconds": round(wall, 1),
+                "runs": [{"config": asdict(c), **r} for c, r, _ in done]},
+               os.path.join(out, "compare.json"))
+    plot_compare_norms(rows, base, out)
+    plot_compare_dispersion(rows, base, out)
+    plot_compare_noise(rows, base, out)
+    print(f"wrote {out}/compare.md, compare.json, compare_norms.png, compare_dispersion.png, "
+          f"compare_noise.png | {wall:.0f}s")
+
+
+def _compare_one_thread(cfg):
+    return compare_one(cfg, threads=1)
+
+
+# -----------------------------------------------------------------------------
 # command line
-
-
-def write_json(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 class Parser(argparse.ArgumentParser):
@@ -488,13 +750,20 @@ def build_parser():
     a("--dropout", type=float, default=d.dropout, help="dropout probability")
     a("--steps", type=int, default=d.steps, help="optimizer steps")
     a("--batch-size", type=int, default=d.batch_size, help="permutations per step")
-    a("--lr", type=float, default=d.lr, help="AdamW learning rate, constant")
+    a("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    a("--lr-schedule", choices=["constant", "cosine"], default=d.lr_schedule,
+      help="constant, or a cosine decay to zero over --steps")
     a("--ema", type=float, default=d.ema, help="EMA decay of the weights, in [0, 1); 0 = off")
+    a("--bema", action="store_true",
+      help="average with BEMA (bias-corrected EMA, kappa 0.5, eta 0.2, rho 10) instead")
     a("--seed", type=int, default=d.seed, help="seed of the initialization and training data")
     a("--device", choices=["auto", "cpu", "cuda", "mps"], default=d.device,
       help="auto: cuda, then mps, then cpu")
     a("--out", default="plots", help="folder for the figures and metrics.json")
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
+    a("--compare", action="store_true",
+      help="run the comparison grid instead (norms x averaging x targets x schedule, "
+           f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
     return p
 
 
@@ -533,32 +802,22 @@ def check_args(args, parser):
             bad(f"--save {args.save}: cannot write a file there")
 
 
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(args, parser)
-    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
-    device = pick_device(cfg.device)
+def run_one(cfg, out, save=None):
+    """The default command: train, evaluate, print the table, write metrics and figures."""
     print(f"Set Complement: v={cfg.vocab}, train lengths 1..{cfg.train_len}, "
-          f"norm={cfg.norm} [{NORMS[cfg.norm]}], ema={cfg.ema}, targets={cfg.targets}, "
-          f"seed={cfg.seed}, device={device}")
+          f"norm={cfg.norm} [{NORMS[cfg.norm]}], averaging={average_name(cfg)}, "
+          f"targets={cfg.targets}, lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, "
+          f"device={pick_device(cfg.device)}")
     t0 = time.time()
-    try:
-        model, ema, losses = train(cfg)
-    except NonFiniteLoss as e:
-        print(f"resharpen.py: stopped: {e}. Nothing was written.", file=sys.stderr)
-        sys.exit(1)
+    model, averagers, losses = train(cfg)
     train_time = time.time() - t0
-
     raw = evaluate(model)
-    if ema:
-        averaged = copy.deepcopy(model)
-        ema.copy_to(averaged)
-        metrics = evaluate(averaged)
+    if averagers:
+        metrics = evaluate(averaged_copy(model, averagers[0]))
     else:
         metrics, raw = raw, None
     print(f"\nevaluated on {EVAL_PERMS} fixed permutations" +
-          (f" with the EMA weights (raw weights in the last column)" if raw else ""))
+          (f" with the {average_name(cfg)} weights (raw weights in the last column)" if raw else ""))
     print(format_table(metrics, cfg.train_len, raw))
     summary = summarize(metrics, cfg.train_len)
     line = (f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation "
@@ -572,15 +831,31 @@ def main(argv=None):
               "train_seconds": round(train_time, 2)}
     if raw:
         result["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
-    write_json(result, os.path.join(args.out, "metrics.json"))
-    plot_length(metrics, cfg, args.out, raw)
-    plot_attention(metrics, cfg, args.out)
-    plot_loss(losses, cfg, args.out)
-    written = ["metrics.json", "length.png", "attention.png", "loss.png"]
-    if args.save:
-        save_checkpoint(args.save, model, ema, cfg)
-    print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}"
-          + (f", {args.save}" if args.save else "") + f" | {time.time() - t0:.1f}s")
+    write_json(result, os.path.join(out, "metrics.json"))
+    plot_length(metrics, cfg, out, raw)
+    plot_attention(metrics, cfg, out)
+    plot_loss(losses, cfg, out)
+    written = [os.path.join(out, f) for f in ("metrics.json", "length.png", "attention.png",
+                                              "loss.png")]
+    if save:
+        save_checkpoint(save, model, averagers[0] if averagers else None, cfg)
+        written.append(save)
+    print(f"wrote {', '.join(written)} | {time.time() - t0:.1f}s")
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
+    try:
+        if args.compare:
+            compare(cfg, args.out)
+        else:
+            run_one(cfg, args.out, args.save)
+    except NonFiniteLoss as e:
+        print(f"resharpen.py: stopped: {e}. Nothing was written.", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

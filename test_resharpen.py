@@ -208,7 +208,7 @@ def test_same_seed_gives_same_numbers():
 
 def test_save_and_load_give_identical_logits(tmp_path):
     cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=30, batch_size=8, ema=0.9, device="cpu")
-    model, ema, _ = R.train(cfg, log=lambda *a: None)
+    model, (ema,), _ = R.train(cfg, log=lambda *a: None)
     path = str(tmp_path / "ckpt.pt")
     R.save_checkpoint(path, model, ema, cfg)
     idx = R.sample_permutations(3, 8)[:, :7]
