@@ -85,11 +85,11 @@ def get_batch(cfg, generator):
     return perm[:, :-1], perm[:, 1:]
 
 
-def exact_target(idx, vocab):
+def exact_target(idx, vocab, dtype=torch.float):
     """p*(prefix) for every prefix of every row: (B, T) -> (B, T, v). Zero on the tokens
     seen so far, uniform on the rest. A prefix must not hold the whole vocabulary."""
     seen = F.one_hot(idx, vocab).cumsum(dim=1).clamp(max=1)  # (B, T, v): 1 if seen by t
-    unseen = (1 - seen).float()
+    unseen = (1 - seen).to(dtype)
     return unseen / unseen.sum(dim=-1, keepdim=True)
 
 # -----------------------------------------------------------------------------
@@ -375,12 +375,12 @@ def evaluate(model, n_perm=EVAL_PERMS):
     perm = sample_permutations(n_perm, v, torch.Generator().manual_seed(EVAL_SEED))
     idx = perm[:, : v - 1].to(device)                   # prefixes of length 1 .. v-1
     logits, atts = model(idx, return_attn=True)         # (N, T, v), T = v - 1
-    logits = logits.float()
-    p = exact_target(idx, v)                            # (N, T, v)
+    logits = logits.double()   # float64: the hand-built models reach TVDs of 1e-30
+    p = exact_target(idx, v, torch.double)              # (N, T, v)
     seen = p == 0
     logq = F.log_softmax(logits, dim=-1)
     q = logq.exp()
-    s = torch.arange(1, v, device=device, dtype=torch.float)  # prefix length at position t
+    s = torch.arange(1, v, device=device, dtype=torch.double)  # prefix length at position t
     # Total variation distance to the exact target, and the mass on seen (invalid) tokens.
     tvd = 0.5 * (q - p).abs().sum(-1)
     invalid = (q * seen).sum(-1)
@@ -394,9 +394,9 @@ def evaluate(model, n_perm=EVAL_PERMS):
     ent = -(att * att.clamp_min(1e-30).log()).sum(-1)   # (L, N, nh, T)
     ent = ent.mean(dim=(0, 1, 2))
     model.train()
-    mean = lambda m: [round(float(a), 6) for a in m.mean(0)]  # average over permutations
+    mean = lambda m: [float(a) for a in m.mean(0)]  # average over the permutations
     return {"length": list(range(1, v)), "tvd": mean(tvd), "invalid_mass": mean(invalid),
-            "kl": mean(kl), "attn_entropy": [round(float(a), 6) for a in ent],
+            "kl": mean(kl), "attn_entropy": [float(a) for a in ent],
             "logit_gap": mean(gap)}
 
 
@@ -714,6 +714,121 @@ def _compare_one_thread(cfg):
 
 
 # -----------------------------------------------------------------------------
+# theory: the constructions of theory.md, built by hand in the script's own model
+
+HAND_BUILT_NORMS = ("pre", "post", "post-residual")
+
+
+def hand_built(vocab, norm, gamma=1.0):
+    """The construction of theory.md, sections 3 and 5, in the Transformer class that trains:
+    one layer, one head, n_embd = 2v, no MLP, and
+      W_Q = W_K = 0          every score is 0, so attention is uniform over the prefix
+      E[x] = e_(v+x)         token x sits in the second half of the features
+      W_V W_O                writes the centred one-hot e_x - 1/v into the first half
+      U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
+    The readout never sees the second half, so B = E U = 0: only the displacement acts."""
+    v, n = vocab, 2 * vocab
+    # float64 throughout, so that TVDs far below float32's 1e-7 are computed exactly
+    model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
+    attn = model.blocks[0].attn
+    eye = lambda k: torch.eye(k, dtype=torch.double)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.blocks[0].ln_1.weight.fill_(1.0)
+        model.wte.weight[:, v:] = eye(v)
+        attn.c_attn.weight[2 * n:3 * n][:v, v:] = eye(v) - 1.0 / v   # W_V
+        attn.c_proj.weight.copy_(eye(n))                              # W_O
+        model.lm_head.weight[:, :v] = -gamma * eye(v)
+    return model.eval()
+
+
+def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
+    """theory.md, sections 3 and 5: logit of an unseen token minus logit of a seen one, at
+    length s, for hand_built(vocab, norm, gamma). The attention average of the values is
+    h = 1_t / s - 1/v (1 on the seen tokens), whose seen-unseen difference is 1/s; each
+    LayerNorm divides it by the standard deviation of what that norm sees (eps: LN's)."""
+    n = 2 * vocab
+    var = {"pre": (n - 1) / n**2,                                  # one token: e_(v+x)
+           "post": (1 / s - 1 / vocab) / n,                        # only h: shrinks with s
+           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + h
+           }[norm]
+    return gamma / (s * math.sqrt(var + eps))
+
+
+def predicted_tvd(vocab, s, margin):
+    """theory.md, section 3: with balanced logits the TVD equals the invalid mass,
+    s e^-m / (s e^-m + v - s)."""
+    return s / (s + (vocab - s) * math.exp(margin))
+
+
+def fit_lengths_1_2(vocab, rank, steps=1500, seed=0):
+    """theory.md, section 2: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
+    attention), with D = A C of rank <= `rank`, to balanced logits at lengths 1 and 2:
+    -2 e_x for (x), -(e_x + e_y) for (x, y), each up to a constant. Returns the RMS of the
+    best residual found; it is 0 exactly when rank >= v - 1."""
+    g = torch.Generator().manual_seed(seed)
+    v = vocab
+    B = (0.1 * torch.randn(v, v, generator=g)).requires_grad_()
+    A = (0.1 * torch.randn(v, rank, generator=g)).requires_grad_()
+    C = (0.1 * torch.randn(rank, v, generator=g)).requires_grad_()
+    eye = torch.eye(v)
+    pairs = [(x, y) for x in range(v) for y in range(v) if x != y]
+    X, Y = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    opt = torch.optim.Adam([B, A, C], lr=0.05)
+    center = lambda f: f - f.mean(-1, keepdim=True)   # logits count only up to a constant
+    for step in range(steps):
+        D = A @ C
+        r1 = center(B + D + 2 * eye)                                    # length 1
+        r2 = center(B[Y] + (D[X] + D[Y]) / 2 + eye[X] + eye[Y])         # length 2
+        loss = torch.cat([r1, r2]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == steps // 2:
+            for group in opt.param_groups:
+                group["lr"] = 0.005
+    return loss.item() ** 0.5
+
+
+def theory(vocab, train_len, out):
+    """python resharpen.py --theory: the hand-built models against their formulas, each
+    scaled so that its margin at the longest training length is 6; writes theory.png."""
+    rows = {}
+    for norm in HAND_BUILT_NORMS:
+        gamma = 6.0 / predicted_margin(vocab, norm, train_len)
+        m = evaluate(hand_built(vocab, norm, gamma), n_perm=200)
+        pred_m = [predicted_margin(vocab, norm, s, gamma) for s in m["length"]]
+        rows[norm] = (m, pred_m, [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)])
+    print(f"hand-built models, v={vocab}, margin 6 at s={train_len} "
+          "(predicted / measured; measured: evaluate() on the script's own model)")
+    print(f"{'s':>4}" + "".join(f" {n + ' margin':>22} {n + ' TVD':>24}" for n in HAND_BUILT_NORMS))
+    for s in sorted({1, 2, 4, train_len, 2 * train_len, vocab - 1}):
+        if s < vocab:
+            i = s - 1
+            print(f"{s:>4}" + "".join(
+                f" {rows[n][1][i]:10.5f} / {rows[n][0]['logit_gap'][i]:9.5f}"
+                f" {rows[n][2][i]:11.2e} / {rows[n][0]['tvd'][i]:10.2e}" for n in HAND_BUILT_NORMS))
+    fig, (ax1, ax2) = _figure(2)
+    colors = {"pre": "tab:red", "post": "tab:blue", "post-residual": "tab:purple"}
+    for norm, (m, pred_m, pred_tvd) in rows.items():
+        c = colors[norm]
+        ax1.plot(m["length"], pred_m, color=c, lw=1.5, label=f"{norm}: formula")
+        ax1.plot(m["length"], m["logit_gap"], "o", color=c, ms=3, label=f"{norm}: model")
+        ax2.semilogy(m["length"], pred_tvd, color=c, lw=1.5, label=f"{norm}: formula")
+        ax2.semilogy(m["length"], [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3,
+                     label=f"{norm}: model")
+    for ax in (ax1, ax2):
+        ax.axvspan(0.5, train_len + 0.5, color="0.9")
+        ax.set_xlabel("prefix length s")
+    ax1.set(ylabel="margin: unseen minus seen logit", title="hand-built margins (theory.md 3, 5)")
+    ax2.set(ylabel="TVD = invalid mass", title="hand-built TVD", ylim=(1e-9, 1.5))
+    ax1.legend(fontsize=7)
+    _save(fig, os.path.join(out, "theory.png"))
+    print(f"wrote {os.path.join(out, 'theory.png')}")
+
+
+# -----------------------------------------------------------------------------
 # command line
 
 
@@ -761,6 +876,8 @@ def build_parser():
       help="auto: cuda, then mps, then cpu")
     a("--out", default="plots", help="folder for the figures and metrics.json")
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
+    a("--theory", action="store_true",
+      help="build theory.md's models by hand, compare them with the formulas, write theory.png")
     a("--compare", action="store_true",
       help="run the comparison grid instead (norms x averaging x targets x schedule, "
            f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
@@ -849,7 +966,9 @@ def main(argv=None):
     check_args(args, parser)
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
     try:
-        if args.compare:
+        if args.theory:
+            theory(cfg.vocab, cfg.train_len, args.out)
+        elif args.compare:
             compare(cfg, args.out)
         else:
             run_one(cfg, args.out, args.save)

@@ -286,3 +286,100 @@ def test_nan_loss_stops_and_writes_nothing(capsys, tmp_path):
     assert e.value.code == 1
     assert "at step" in capsys.readouterr().err
     assert os.listdir(out) == [] and not (tmp_path / "m.pt").exists()
+
+
+def test_ema_off_is_exactly_the_raw_weights_of_an_ema_run():
+    # The average never feeds back into training, so 'EMA off' needs no separate run.
+    cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=20, batch_size=8, device="cpu")
+    plain, _, _ = R.train(cfg, log=lambda *a: None)
+    with_ema, (ema,), _ = R.train(R.replace(cfg, ema=0.9), log=lambda *a: None)
+    for p, q in zip(plain.parameters(), with_ema.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bema_equals_its_closed_form():
+    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t, bema_t = a_t (theta_t - theta_0) + ema_t
+    model = torch.nn.Linear(2, 2, bias=False)
+    theta0 = model.weight.detach().clone()
+    bema = R.BEMA(model)
+    thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    ema = theta0
+    for t, th in enumerate(thetas, start=1):
+        with torch.no_grad():
+            model.weight.copy_(th)
+        bema.update(model)
+        b, a = (10 + t) ** -0.5, (10 + t) ** -0.2
+        ema = (1 - b) * ema + b * th
+    assert torch.allclose(bema.averaged()[0], a * (thetas[-1] - theta0) + ema, atol=1e-6)
+
+
+def test_bema_without_correction_is_the_ema_with_the_same_schedule():
+    model = torch.nn.Linear(3, 3)
+    bema, plain = R.BEMA(model, correct=False), R.EMA(model, decay=0.5)
+    plain.beta = bema.beta          # same schedule, plain update rule
+    for k in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+        bema.update(model)
+        plain.update(model)
+    for a, b in zip(bema.averaged(), plain.averaged()):
+        assert torch.allclose(a, b)
+
+
+def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
+    cfg = R.Config(lr=0.01, steps=101, lr_schedule="cosine")
+    assert R.learning_rate(cfg, 1) == pytest.approx(0.01)
+    assert R.learning_rate(cfg, 51) == pytest.approx(0.005)
+    assert R.learning_rate(cfg, 101) == pytest.approx(0.0, abs=1e-12)
+    assert R.learning_rate(R.replace(cfg, lr_schedule="constant"), 101) == 0.01
+
+# ----------------------------------------------------------------------------- theory
+
+
+@pytest.mark.parametrize("vocab", [5, 12, 32])
+@pytest.mark.parametrize("norm", R.HAND_BUILT_NORMS)
+def test_hand_built_models_match_the_formulas(vocab, norm):
+    gamma = 1.7
+    model = R.hand_built(vocab, norm, gamma)
+    perm = R.sample_permutations(8, vocab, torch.Generator().manual_seed(3))[:, : vocab - 1]
+    logits = model(perm)
+    seen = R.exact_target(perm, vocab) == 0
+    for s in range(1, vocab):
+        row, mask = logits[:, s - 1], seen[:, s - 1]
+        lo, hi = row[mask].view(8, s), row[~mask].view(8, vocab - s)
+        # Balanced: every seen logit equal, every unseen logit equal (theory.md, section 3).
+        assert (lo - lo[:, :1]).abs().max() < 1e-9 and (hi - hi[:, :1]).abs().max() < 1e-9
+        margin = (hi[:, 0] - lo[:, 0]).mean().item()
+        assert margin == pytest.approx(R.predicted_margin(vocab, norm, s, gamma), abs=1e-9)
+    m = R.evaluate(model, n_perm=20)
+    for s, tvd, inv, gap in zip(m["length"], m["tvd"], m["invalid_mass"], m["logit_gap"]):
+        want = R.predicted_tvd(vocab, s, R.predicted_margin(vocab, norm, s, gamma))
+        assert tvd == pytest.approx(want, rel=1e-6, abs=1e-14)
+        assert inv == pytest.approx(tvd, rel=1e-6, abs=1e-14)   # TVD = invalid mass
+
+
+def test_pre_norm_margin_decays_like_two_over_s():
+    # theory.md, section 3: margin(s) = (2 / s) margin(2) under uniform attention.
+    m2 = R.predicted_margin(20, "pre", 2)
+    model = R.evaluate(R.hand_built(20, "pre"), n_perm=10)
+    for s, gap in zip(model["length"], model["logit_gap"]):
+        assert gap == pytest.approx(2 / s * m2, rel=1e-5)
+
+
+def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2():
+    # theory.md, section 5, with eps = 0: margin = gamma sqrt(n / v) v / sqrt(s (v - s)), n = 2v.
+    v = 16
+    for s in range(1, v):
+        m = R.predicted_margin(v, "post", s, eps=0.0)
+        assert m == pytest.approx(math.sqrt(2) * v / math.sqrt(s * (v - s)), rel=1e-12)
+        assert m >= 2 * math.sqrt(2) - 1e-12   # equality at s = v / 2
+
+
+def test_value_rank_below_v_minus_1_cannot_fit_lengths_1_and_2():
+    # theory.md, section 2: balanced logits at lengths 1 and 2 need rank(D) >= v - 1.
+    v = 6
+    assert R.fit_lengths_1_2(v, v - 1) < 1e-4
+    assert R.fit_lengths_1_2(v, v) < 1e-4
+    below = min(R.fit_lengths_1_2(v, v - 2, seed=k) for k in range(3))
+    assert below > 0.1
