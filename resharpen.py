@@ -592,6 +592,21 @@ def compare_table(rows, train_len, wall, n_runs, workers):
             for avg in AVERAGES:
                 out.append(f"| {targets}, {schedule} | {AVERAGE_LABELS[avg]} | "
                            f"{line(('post', targets, schedule, avg))} |")
+    out += ["", "### The laws of theory.md, sections 3 to 5, on the trained models (EMA weights)", "",
+            "| norm | quantity, over s = 1 .. v-1 | theory says | min | max |", "|---" * 5 + "|"]
+    v = len(rows[("pre", "sampled", "constant", "ema")][0]["length"]) + 1
+    laws = [("pre", "gap × s", "constant (1/s decay)", lambda s, g: g * s),
+            ("post", "gap × sqrt(s (v-s)) / v", "constant (no decay)",
+             lambda s, g: g * math.sqrt(s * (v - s)) / v),
+            ("pre", "attention entropy − log s", "0 (uniform attention)", None),
+            ("post", "attention entropy − log s", "0 (uniform attention)", None)]
+    for norm, what, says, law in laws:
+        runs = rows[(norm, "sampled", "constant", "ema")]
+        if law:
+            vals = [law(s, g) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
+        else:
+            vals = [h - math.log(s) for m in runs for s, h in zip(m["length"], m["attn_entropy"])]
+        out.append(f"| `{norm}` | {what} | {says} | {min(vals):.3f} | {max(vals):.3f} |")
     out += ["", f"Mean ± standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
             f"{wall:.0f} s wall in {workers} worker process(es)."]
     return "\n".join(out)
@@ -607,7 +622,7 @@ def _band(ax, xs, curves, label, color):
 def plot_compare_norms(rows, cfg, out):
     """compare_norms.png: TVD against length per norm placement, mean and min-max band."""
     fig, axes = _figure(2)
-    colors = dict(zip(NORMS, ("tab:red", "tab:orange", "tab:purple", "tab:blue")))
+    colors = dict(zip(NORMS, ("tab:red", "tab:orange", "tab:blue", "tab:purple")))
     for ax, avg in zip(axes, ("raw", "ema")):
         ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
         for norm in NORMS:
@@ -631,6 +646,14 @@ def plot_compare_dispersion(rows, cfg, out):
         runs = rows[(norm, "sampled", "constant", "ema")]
         _band(ax1, logs, [m["attn_entropy"] for m in runs], norm, color)
         _band(ax2, s, [m["logit_gap"] for m in runs], norm, color)
+        # theory.md's laws, scaled to the model at the longest training length: beyond it
+        # they are predictions. Pre: gap ~ 1/s. Post: gap ~ v / sqrt(s (v - s)).
+        L, v = cfg.train_len, cfg.vocab
+        at_L = sum(m["logit_gap"][L - 1] for m in runs) / len(runs)
+        law = [at_L * L / x if norm == "pre" else
+               at_L * math.sqrt(L * (v - L) / (x * (v - x))) for x in s]
+        ax2.plot(s, law, ":", color="k", lw=1.2,
+                 label="theory, matched at s = train_len" if norm == "post" else None)
     ax1.axvspan(0, math.log(cfg.train_len + 0.5), color="0.9")
     ax2.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
     ax1.set(xlabel="log s", ylabel="attention entropy, last position (nats)",
@@ -762,32 +785,29 @@ def predicted_tvd(vocab, s, margin):
     return s / (s + (vocab - s) * math.exp(margin))
 
 
-def fit_lengths_1_2(vocab, rank, steps=1500, seed=0):
+def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
     """theory.md, section 2: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
-    attention), with D = A C of rank <= `rank`, to balanced logits at lengths 1 and 2:
-    -2 e_x for (x), -(e_x + e_y) for (x, y), each up to a constant. Returns the RMS of the
-    best residual found; it is 0 exactly when rank >= v - 1."""
+    attention, no norm), with B = E U and D = E W_V W_O U of the given widths, to balanced
+    logits at lengths 1 and 2: -2 e_x for (x), -(e_x + e_y) for (x, y), each up to a
+    constant. Returns the root-mean-square residual of the fit (Adam, cosine decay)."""
     g = torch.Generator().manual_seed(seed)
-    v = vocab
-    B = (0.1 * torch.randn(v, v, generator=g)).requires_grad_()
-    A = (0.1 * torch.randn(v, rank, generator=g)).requires_grad_()
-    C = (0.1 * torch.randn(rank, v, generator=g)).requires_grad_()
+    v, n, h = vocab, n_embd, head_dim
+    init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()
+    E, W_V, W_O, U = init(v, n), init(n, h), init(h, n), init(n, v)
     eye = torch.eye(v)
-    pairs = [(x, y) for x in range(v) for y in range(v) if x != y]
-    X, Y = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
-    opt = torch.optim.Adam([B, A, C], lr=0.05)
+    x, y = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y]).T
+    opt = torch.optim.Adam([E, W_V, W_O, U], lr=0.02)
     center = lambda f: f - f.mean(-1, keepdim=True)   # logits count only up to a constant
     for step in range(steps):
-        D = A @ C
-        r1 = center(B + D + 2 * eye)                                    # length 1
-        r2 = center(B[Y] + (D[X] + D[Y]) / 2 + eye[X] + eye[Y])         # length 2
-        loss = torch.cat([r1, r2]).pow(2).mean()
+        for group in opt.param_groups:
+            group["lr"] = 0.01 * (1 + math.cos(math.pi * step / steps))
+        B, D = E @ U, E @ W_V @ W_O @ U
+        length_1 = center(B + D + 2 * eye)                              # input (x)
+        length_2 = center(B[y] + (D[x] + D[y]) / 2 + eye[x] + eye[y])   # input (x, y)
+        loss = torch.cat([length_1, length_2]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step == steps // 2:
-            for group in opt.param_groups:
-                group["lr"] = 0.005
     return loss.item() ** 0.5
 
 

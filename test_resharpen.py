@@ -376,10 +376,69 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2():
         assert m >= 2 * math.sqrt(2) - 1e-12   # equality at s = v / 2
 
 
-def test_value_rank_below_v_minus_1_cannot_fit_lengths_1_and_2():
-    # theory.md, section 2: balanced logits at lengths 1 and 2 need rank(D) >= v - 1.
-    v = 6
-    assert R.fit_lengths_1_2(v, v - 1) < 1e-4
-    assert R.fit_lengths_1_2(v, v) < 1e-4
-    below = min(R.fit_lengths_1_2(v, v - 2, seed=k) for k in range(3))
+def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
+    # theory.md, section 2: balanced logits at lengths 1 and 2 need head_dim >= v - 1; the
+    # construction with n_embd = 2v - 2, head_dim = v - 1 fits them exactly.
+    v = 5
+    assert R.fit_lengths_1_2(v, 2 * v - 2, v - 1) < 1e-4
+    below = min(R.fit_lengths_1_2(v, 2 * v, v - 2, seed=k) for k in range(2))
     assert below > 0.1
+
+
+@pytest.mark.parametrize("norm_cls", ["layer", "rms"])
+def test_norm_on_uncentred_one_hot_values(norm_cls):
+    # theory.md, section 5: with values e_x (not centred), LayerNorm gives n / sqrt(s (n - s)),
+    # bounded below by 2, while RMSNorm, which does not subtract the mean, gives sqrt(n / s).
+    v, n = 12, 24
+    model = R.hand_built(v, "post")
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.c_attn.weight[2 * n:3 * n][:v, v:] = torch.eye(v, dtype=torch.double)
+    if norm_cls == "rms":
+        model.blocks[0].ln_1 = torch.nn.RMSNorm(n, eps=0.0).double()
+    else:
+        model.blocks[0].ln_1.eps = 0.0
+    m = R.evaluate(model, n_perm=5)
+    for s, gap in zip(m["length"], m["logit_gap"]):
+        want = n / math.sqrt(s * (n - s)) if norm_cls == "layer" else math.sqrt(n / s)
+        assert gap == pytest.approx(want, rel=1e-9)
+
+
+def test_sampled_gradient_covariance_is_diag_p_minus_p_p():
+    # theory.md, section 6: the gradient of -log q_y w.r.t. the logits is q - e_y; with y ~ p*
+    # its mean is q - p* and its covariance diag(p*) - p* p*^T, of trace 1 - 1/k.
+    v, k, n = 6, 4, 200000
+    p = torch.zeros(v, dtype=torch.double)
+    p[:k] = 1 / k
+    logits = torch.randn(v, dtype=torch.double, requires_grad=True)
+    y = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    q = logits.softmax(-1).detach()
+    grads = q - F.one_hot(y, v).double()            # the closed-form gradient, checked below
+    loss = F.cross_entropy(logits.expand(3, v), y[:3], reduction="sum")
+    loss.backward()
+    assert torch.allclose(logits.grad, grads[:3].sum(0))
+    cov = torch.cov(grads.T)
+    assert torch.allclose(grads.mean(0), q - p, atol=0.01)
+    assert torch.allclose(cov, torch.diag(p) - torch.outer(p, p), atol=0.01)
+    assert cov.trace().item() == pytest.approx(1 - 1 / k, abs=0.01)
+
+
+def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
+    # theory.md, section 6: SGD on h theta^2 / 2 with gradient noise sigma has stationary
+    # variance V = eta sigma^2 / (h (2 - eta h)); an EMA of decay d has
+    # V (1 - d) / (1 + d) * (1 + d rho) / (1 - d rho), rho = 1 - eta h.
+    eta, h, sigma, d, chains, steps = 0.1, 1.0, 1.0, 0.95, 4000, 1500
+    g = torch.Generator().manual_seed(0)
+    box = torch.nn.Linear(chains, 1, bias=False)   # its weight: one theta per chain
+    with torch.no_grad():
+        box.weight.zero_()
+    ema = R.EMA(box, d)
+    for _ in range(steps):
+        with torch.no_grad():
+            box.weight -= eta * (h * box.weight + sigma * torch.randn(1, chains, generator=g))
+        ema.update(box)
+    V = eta * sigma**2 / (h * (2 - eta * h))
+    rho = 1 - eta * h
+    V_ema = V * (1 - d) / (1 + d) * (1 + d * rho) / (1 - d * rho)
+    assert box.weight.var().item() == pytest.approx(V, rel=0.08)
+    assert ema.shadow[0].var().item() == pytest.approx(V_ema, rel=0.08)
