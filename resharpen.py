@@ -47,6 +47,7 @@ class Config:
     n_head: int = 1
     n_embd: int = 64
     mlp: bool = False         # attention-only by default, like the paper's minimal model
+    bos: bool = False         # prepend a beginning-of-sequence token (a possible attention sink)
     dropout: float = 0.0
     # optimization
     steps: int = 4000
@@ -178,7 +179,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)   # E
+        self.wte = nn.Embedding(cfg.vocab + cfg.bos, cfg.n_embd)   # E; row v is BOS, if any
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd) if cfg.norm == "pre-final" else nn.Identity()
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)  # U
@@ -188,13 +189,17 @@ class Transformer(nn.Module):
 
     def forward(self, idx, return_attn=False):
         """idx (B, T) LongTensor -> logits (B, T, v); with return_attn, also the attention
-        weights of every layer, a list of (B, n_head, T, T)."""
+        weights of every layer, a list of (B, n_head, T, T) (T + 1 keys with cfg.bos)."""
+        if self.cfg.bos:  # token v at position 0; its own output predicts nothing and is cut
+            idx = torch.cat([torch.full_like(idx[:, :1], self.cfg.vocab), idx], dim=1)
         x = self.wte(idx)  # (B, T, C)
         atts = []
         for block in self.blocks:
             x, att = block(x)
             atts.append(att)
         logits = self.lm_head(self.ln_f(x))
+        if self.cfg.bos:
+            logits, atts = logits[:, 1:], [a[:, :, 1:] for a in atts]
         return (logits, atts) if return_attn else logits
 
 # -----------------------------------------------------------------------------
@@ -381,8 +386,10 @@ def evaluate(model, n_perm=EVAL_PERMS):
     logq = F.log_softmax(logits, dim=-1)
     q = logq.exp()
     s = torch.arange(1, v, device=device, dtype=torch.double)  # prefix length at position t
-    # Total variation distance to the exact target, and the mass on seen (invalid) tokens.
-    tvd = 0.5 * (q - p).abs().sum(-1)
+    # Total variation distance to the exact target, written as the total excess of q over
+    # p* (equal to half the L1 distance, and exact even when it is as small as 1e-30),
+    # and the mass on seen (invalid) tokens.
+    tvd = (q - p).clamp_min(0).sum(-1)
     invalid = (q * seen).sum(-1)
     # KL(p* || q): sums only over the unseen tokens, where p* > 0.
     kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
@@ -464,8 +471,8 @@ def plot_attention(metrics, cfg, out):
     fig, ax = _figure()
     logs = [math.log(s) for s in metrics["length"]]
     ax.axvspan(0, math.log(cfg.train_len + 0.5), color="0.9", label="training lengths")
-    ax.plot(logs, logs, "k--", lw=1, label="log s (uniform attention)")
-    ax.plot(logs, metrics["attn_entropy"], "o-", ms=3, label="model")
+    ax.plot(logs, metrics["attn_entropy"], "o-", ms=4, label="model")
+    ax.plot(logs, logs, "k--", lw=1, zorder=3, label="log s (uniform attention)")
     ax.set(xlabel="log s", ylabel="attention entropy (nats)", title="attention dispersion")
     ax.legend(fontsize=8)
     _save(fig, os.path.join(out, "attention.png"))
@@ -820,15 +827,16 @@ def theory(vocab, train_len, out):
         m = evaluate(hand_built(vocab, norm, gamma), n_perm=200)
         pred_m = [predicted_margin(vocab, norm, s, gamma) for s in m["length"]]
         rows[norm] = (m, pred_m, [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)])
-    print(f"hand-built models, v={vocab}, margin 6 at s={train_len} "
-          "(predicted / measured; measured: evaluate() on the script's own model)")
-    print(f"{'s':>4}" + "".join(f" {n + ' margin':>22} {n + ' TVD':>24}" for n in HAND_BUILT_NORMS))
-    for s in sorted({1, 2, 4, train_len, 2 * train_len, vocab - 1}):
-        if s < vocab:
+    print(f"hand-built models, v={vocab}, each scaled to margin 6 at s={train_len}; "
+          "'model' is evaluate() on the script's own Transformer, in float64\n(TVDs below "
+          "about 1e-15 are float64 rounding, not the model)")
+    for norm, (m, pred_m, pred_tvd) in rows.items():
+        print(f"\n{norm}: {NORMS[norm]}\n{'s':>4} {'margin: formula':>16} {'model':>10} "
+              f"{'TVD: formula':>14} {'model':>10}")
+        for s in sorted({1, 2, 4, train_len, 2 * train_len, vocab - 1} & set(m["length"])):
             i = s - 1
-            print(f"{s:>4}" + "".join(
-                f" {rows[n][1][i]:10.5f} / {rows[n][0]['logit_gap'][i]:9.5f}"
-                f" {rows[n][2][i]:11.2e} / {rows[n][0]['tvd'][i]:10.2e}" for n in HAND_BUILT_NORMS))
+            print(f"{s:>4} {pred_m[i]:16.5f} {m['logit_gap'][i]:10.5f} {pred_tvd[i]:14.3e} "
+                  f"{m['tvd'][i]:10.3e}")
     fig, (ax1, ax2) = _figure(2)
     colors = {"pre": "tab:red", "post": "tab:blue", "post-residual": "tab:purple"}
     for norm, (m, pred_m, pred_tvd) in rows.items():
@@ -842,7 +850,7 @@ def theory(vocab, train_len, out):
         ax.axvspan(0.5, train_len + 0.5, color="0.9")
         ax.set_xlabel("prefix length s")
     ax1.set(ylabel="margin: unseen minus seen logit", title="hand-built margins (theory.md 3, 5)")
-    ax2.set(ylabel="TVD = invalid mass", title="hand-built TVD", ylim=(1e-9, 1.5))
+    ax2.set(ylabel="TVD (equal to the invalid mass)", title="hand-built TVD", ylim=(1e-9, 1.5))
     ax1.legend(fontsize=7)
     _save(fig, os.path.join(out, "theory.png"))
     print(f"wrote {os.path.join(out, 'theory.png')}")
@@ -882,6 +890,7 @@ def build_parser():
     a("--n-head", type=int, default=d.n_head, help="attention heads per block")
     a("--n-embd", type=int, default=d.n_embd, help="width of the residual stream")
     a("--mlp", action="store_true", help="add an MLP to each block (default: attention only)")
+    a("--bos", action="store_true", help="prepend a beginning-of-sequence token to every input")
     a("--dropout", type=float, default=d.dropout, help="dropout probability")
     a("--steps", type=int, default=d.steps, help="optimizer steps")
     a("--batch-size", type=int, default=d.batch_size, help="permutations per step")

@@ -66,9 +66,10 @@ def test_exact_target_matches_a_loop_over_tokens():
 # ----------------------------------------------------------------------------- model
 
 
+@pytest.mark.parametrize("bos", [False, True])
 @pytest.mark.parametrize("norm", list(R.NORMS))
-def test_changing_a_later_token_leaves_earlier_logits_unchanged(norm):
-    model = randomize(R.Transformer(tiny(norm=norm, mlp=True)))
+def test_changing_a_later_token_leaves_earlier_logits_unchanged(norm, bos):
+    model = randomize(R.Transformer(tiny(norm=norm, mlp=True, n_layer=2, bos=bos)))
     a = torch.tensor([[0, 1, 2, 3, 4, 5]])
     b = torch.tensor([[0, 1, 2, 3, 6, 5]])
     la, lb = model(a), model(b)
@@ -76,14 +77,28 @@ def test_changing_a_later_token_leaves_earlier_logits_unchanged(norm):
     assert not torch.allclose(la[:, 4], lb[:, 4], atol=1e-3)
 
 
+@pytest.mark.parametrize("bos", [False, True])
 @pytest.mark.parametrize("norm", list(R.NORMS))
-def test_prefix_order_does_not_change_last_logits(norm):
+def test_prefix_order_does_not_change_last_logits(norm, bos):
     # No positional encoding: in one layer the last position sees its prefix as a set.
     # (From two layers on, earlier positions carry their own prefixes, and order leaks in.)
-    model = randomize(R.Transformer(tiny(norm=norm, mlp=True)))
+    model = randomize(R.Transformer(tiny(norm=norm, mlp=True, bos=bos)))
     a = torch.tensor([[0, 1, 2, 3, 4]])
     b = torch.tensor([[2, 0, 3, 1, 4]])
     assert torch.allclose(model(a)[0, -1], model(b)[0, -1], atol=1e-5)
+
+
+def test_bos_is_a_token_at_position_0_whose_output_is_cut():
+    model = randomize(R.Transformer(tiny(bos=True, n_layer=2)))
+    idx = torch.tensor([[3, 1, 4]])
+    logits, atts = model(idx, return_attn=True)
+    assert logits.shape == (1, 3, 7) and atts[0].shape == (1, 2, 3, 4)
+    # The same weights without --bos, with token 0 given BOS's embedding, fed (0, 3, 1, 4):
+    plain = R.Transformer(tiny(n_layer=2)).eval()
+    state = model.state_dict()
+    state["wte.weight"] = torch.cat([state["wte.weight"][7:], state["wte.weight"][1:7]])
+    plain.load_state_dict(state)
+    assert torch.allclose(plain(torch.tensor([[0, 3, 1, 4]]))[:, 1:], logits, atol=1e-6)
 
 
 def layer_norm_by_hand(x, ln):
