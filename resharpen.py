@@ -38,8 +38,11 @@ import torch.nn.functional as F
 @dataclass
 class Config:
     # task
-    vocab: int = 32           # v: tokens are 0 .. v-1
+    task: str = "complement"  # 'complement', or a formal language: 'dyck', 'shuffle'
+    vocab: int = 32           # v: tokens are 0 .. v-1 (set to 2k + 1 for a language)
     train_len: int = 12       # train on prefixes of length s = 1 .. train_len
+    brackets: int = 2         # k, for the languages: bracket pairs
+    max_depth: int = 4        # D, for Dyck-(k, D): the deepest nesting allowed
     targets: str = "sampled"  # 'sampled': one next token per position; 'exact': the whole target
     # model
     norm: str = "pre"         # where the LayerNorm sits: see NORMS below
@@ -58,6 +61,10 @@ class Config:
     bema: bool = False        # bias-corrected EMA (BEMA) instead of the plain EMA
     seed: int = 0
     device: str = "auto"
+
+    def __post_init__(self):
+        if self.task != "complement":   # k opens, k closes, END
+            self.vocab = 2 * self.brackets + 1
 
 
 NORMS = {
@@ -82,8 +89,11 @@ def sample_permutations(n, vocab, generator=None):
 def get_batch(cfg, generator):
     """Inputs x (B, T) and next tokens y (B, T) with T = train_len: position t of x ends
     the prefix of length s = t + 1, and y[:, t] is a sample from that prefix's target."""
-    perm = sample_permutations(cfg.batch_size, cfg.vocab, generator)[:, : cfg.train_len + 1]
-    return perm[:, :-1], perm[:, 1:]
+    if cfg.task == "complement":
+        seq = sample_permutations(cfg.batch_size, cfg.vocab, generator)[:, : cfg.train_len + 1]
+    else:
+        seq = sample_language(cfg, cfg.batch_size, cfg.train_len + 1, generator)
+    return seq[:, :-1], seq[:, 1:]
 
 
 def exact_target(idx, vocab, dtype=torch.float):
@@ -92,6 +102,86 @@ def exact_target(idx, vocab, dtype=torch.float):
     seen = F.one_hot(idx, vocab).cumsum(dim=1).clamp(max=1)  # (B, T, v): 1 if seen by t
     unseen = (1 - seen).to(dtype)
     return unseen / unseen.sum(dim=-1, keepdim=True)
+
+# -----------------------------------------------------------------------------
+# formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k
+# Tokens: 0 .. k-1 open brackets, k .. 2k-1 their closes, 2k END. A sequence is a stream of
+# strings, each ended by END, after which the next string starts from the empty state; so
+# every position has an exact next-token distribution, given by a small automaton.
+
+
+def language_state(cfg, n):
+    """The automaton's state for n rows, before any token."""
+    return {"count": torch.zeros(n, cfg.brackets, dtype=torch.long),   # opens minus closes, per type
+            "stack": torch.zeros(n, cfg.max_depth, dtype=torch.long),  # open types, bottom first
+            "depth": torch.zeros(n, dtype=torch.long)}
+
+
+def language_next(cfg, state, dtype=torch.float):
+    """The exact distribution of the next token of every row, (n, 2k + 1).
+    dyck (Hewitt et al. 2020): empty stack: each open 1/(2k), END 1/2; full stack (depth D):
+      only the matching close; otherwise each open 1/(2k), the matching close 1/2.
+    shuffle (Bhattamishra et al. 2020): uniform over every open, every close whose counter
+      is above 0, and END when all counters are 0."""
+    k, depth = cfg.brackets, state["depth"]
+    if cfg.task == "shuffle":
+        legal = torch.cat([torch.ones_like(state["count"]), state["count"] > 0,
+                           (state["count"] == 0).all(1, keepdim=True)], dim=1).to(dtype)
+        return legal / legal.sum(1, keepdim=True)
+    empty, full = depth == 0, depth == cfg.max_depth
+    top = state["stack"].gather(1, (depth - 1).clamp(min=0)[:, None])      # (n, 1)
+    p = torch.zeros(len(depth), 2 * k + 1, dtype=dtype)
+    p[:, :k] = torch.where(full, 0.0, 1 / (2 * k)).to(dtype)[:, None]
+    p[:, 2 * k] = torch.where(empty, 0.5, 0.0).to(dtype)
+    close = torch.where(empty, 0.0, torch.where(full, 1.0, 0.5)).to(dtype)
+    return p.scatter(1, k + top, close[:, None])   # an empty stack's 'close' writes a 0
+
+
+def language_step(cfg, state, tok):
+    """Advance every row's automaton by one token (n,)."""
+    k = cfg.brackets
+    sign = (tok < k).long() - ((tok >= k) & (tok < 2 * k)).long()   # +1 open, -1 close, 0 END
+    kind = tok % k
+    slot = state["depth"].clamp(0, cfg.max_depth - 1)[:, None]
+    pushed = torch.where(sign > 0, kind, state["stack"].gather(1, slot)[:, 0])
+    state["stack"].scatter_(1, slot, pushed[:, None])
+    state["depth"] = (state["depth"] + sign).clamp(0, cfg.max_depth)
+    state["count"] += F.one_hot(kind, k) * sign[:, None]
+
+
+def sample_language(cfg, n, T, generator=None):
+    """n streams of T tokens, each token drawn from the automaton's distribution."""
+    state, tokens = language_state(cfg, n), []
+    for _ in range(T):
+        tok = torch.multinomial(language_next(cfg, state), 1, generator=generator)[:, 0]
+        language_step(cfg, state, tok)
+        tokens.append(tok)
+    return torch.stack(tokens, dim=1)
+
+
+def target(idx, cfg, dtype=torch.float):
+    """The exact next-token distribution after every prefix of every row: (B, T) -> (B, T, v)."""
+    if cfg.task == "complement":
+        return exact_target(idx, cfg.vocab, dtype)
+    state, out = language_state(cfg, idx.shape[0]), []
+    for t in range(idx.shape[1]):
+        language_step(cfg, state, idx[:, t].cpu())
+        out.append(language_next(cfg, state, dtype))
+    return torch.stack(out, dim=1).to(idx.device)
+
+
+def task_name(cfg):
+    return {"complement": "Set Complement", "dyck": f"Dyck-({cfg.brackets}, {cfg.max_depth})",
+            "shuffle": f"Shuffle-{cfg.brackets}"}[cfg.task]
+
+
+def eval_inputs(cfg, n):
+    """The fixed evaluation inputs: whole permutations (lengths 1 .. v-1) for the Set
+    Complement task, streams of 4 x train_len tokens for a language."""
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    if cfg.task == "complement":
+        return sample_permutations(n, cfg.vocab, g)[:, : cfg.vocab - 1]
+    return sample_language(cfg, n, 4 * cfg.train_len, g)
 
 # -----------------------------------------------------------------------------
 # the model: a tiny decoder-only transformer with no positional encoding
@@ -306,13 +396,17 @@ def loss_fn(logits, x, y, cfg):
     every prefix of x. Both have the same expected gradient; 'exact' has no noise."""
     logp = F.log_softmax(logits, dim=-1)  # (B, T, v)
     if cfg.targets == "exact":
-        return -(exact_target(x, cfg.vocab) * logp).sum(-1).mean()
+        return -(target(x, cfg) * logp).sum(-1).mean()
     return F.nll_loss(logp.view(-1, cfg.vocab), y.reshape(-1))
 
 
 def loss_floor(cfg):
-    """The lowest possible loss: the target's entropy, mean of log(v - s) over s."""
-    return sum(math.log(cfg.vocab - s) for s in range(1, cfg.train_len + 1)) / cfg.train_len
+    """The lowest possible loss: the target's entropy, averaged over the training positions.
+    Set Complement: the mean of log(v - s). A language: estimated on 2000 fixed streams."""
+    if cfg.task == "complement":
+        return sum(math.log(cfg.vocab - s) for s in range(1, cfg.train_len + 1)) / cfg.train_len
+    p = target(eval_inputs(cfg, 2000)[:, : cfg.train_len], cfg, torch.double)
+    return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
 
 
 class NonFiniteLoss(RuntimeError):
@@ -340,7 +434,7 @@ def train(cfg, log=print, averagers=None):
         averagers = [a for a in [make_averager(model, cfg)] if a]
     else:
         averagers = [make(model) for make in averagers]
-    losses = []
+    losses, floor = [], loss_floor(cfg)
     t0 = t_last = time.time()
     every = max(1, cfg.steps // 8)
     for step in range(1, cfg.steps + 1):
@@ -362,7 +456,7 @@ def train(cfg, log=print, averagers=None):
             rate = every / max(now - t_last, 1e-9) if step % every == 0 else step / (now - t0)
             t_last = now
             recent = sum(losses[-every:]) / len(losses[-every:])
-            log(f"step {step:5d}/{cfg.steps} | loss {recent:.4f} (floor {loss_floor(cfg):.4f}) "
+            log(f"step {step:5d}/{cfg.steps} | loss {recent:.4f} (floor {floor:.4f}) "
                 f"| {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
     return model, averagers, losses
 
@@ -372,20 +466,19 @@ def train(cfg, log=print, averagers=None):
 
 @torch.no_grad()
 def evaluate(model, n_perm=EVAL_PERMS):
-    """Metrics at every prefix length s = 1 .. v-1, each averaged over n_perm fixed
-    permutations. One forward pass over whole permutations gives every length at once."""
-    v = model.cfg.vocab
+    """Metrics at every prefix length s = 1 .. v-1 (for a language: every position up to
+    4 x train_len), each averaged over n_perm fixed inputs. One forward pass over whole
+    permutations gives every length at once."""
+    cfg = model.cfg
     model.eval()
     device = next(model.parameters()).device
-    perm = sample_permutations(n_perm, v, torch.Generator().manual_seed(EVAL_SEED))
-    idx = perm[:, : v - 1].to(device)                   # prefixes of length 1 .. v-1
-    logits, atts = model(idx, return_attn=True)         # (N, T, v), T = v - 1
+    idx = eval_inputs(cfg, n_perm).to(device)          # (N, T)
+    logits, atts = model(idx, return_attn=True)         # (N, T, v)
     logits = logits.double()   # float64: the hand-built models reach TVDs of 1e-30
-    p = exact_target(idx, v, torch.double)              # (N, T, v)
-    seen = p == 0
+    p = target(idx, cfg, torch.double)                  # (N, T, v)
+    seen = p == 0          # the seen tokens; for a language, every illegal next token
     logq = F.log_softmax(logits, dim=-1)
     q = logq.exp()
-    s = torch.arange(1, v, device=device, dtype=torch.double)  # prefix length at position t
     # Total variation distance to the exact target, written as the total excess of q over
     # p* (equal to half the L1 distance, and exact even when it is as small as 1e-30),
     # and the mass on seen (invalid) tokens.
@@ -394,7 +487,7 @@ def evaluate(model, n_perm=EVAL_PERMS):
     # KL(p* || q): sums only over the unseen tokens, where p* > 0.
     kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
     # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 3).
-    gap = (logits * ~seen).sum(-1) / (v - s) - (logits * seen).sum(-1) / s
+    gap = (logits * ~seen).sum(-1) / (~seen).sum(-1) - (logits * seen).sum(-1) / seen.sum(-1)
     # Entropy of the attention row of the last position, averaged over heads and layers;
     # it can be at most log s, reached by uniform attention: total dispersion.
     att = torch.stack(atts)                             # (L, N, nh, T, T)
@@ -402,7 +495,7 @@ def evaluate(model, n_perm=EVAL_PERMS):
     ent = ent.mean(dim=(0, 1, 2))
     model.train()
     mean = lambda m: [float(a) for a in m.mean(0)]  # average over the permutations
-    return {"length": list(range(1, v)), "tvd": mean(tvd), "invalid_mass": mean(invalid),
+    return {"length": list(range(1, idx.shape[1] + 1)), "tvd": mean(tvd), "invalid_mass": mean(invalid),
             "kl": mean(kl), "attn_entropy": [float(a) for a in ent],
             "logit_gap": mean(gap)}
 
@@ -879,8 +972,12 @@ def build_parser():
                epilog="where the LayerNorm sits (--norm):\n" +
                "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
     a = p.add_argument
-    a("--vocab", type=int, default=d.vocab, help="vocabulary size v (at least 3)")
+    a("--task", choices=["complement", "dyck", "shuffle"], default=d.task,
+      help="Set Complement, or a formal language: Dyck-(k, D) or Shuffle-k")
+    a("--vocab", type=int, default=d.vocab, help="vocabulary size v (at least 3; Set Complement)")
     a("--train-len", type=int, default=d.train_len, help="train on prefix lengths 1 .. this")
+    a("--brackets", type=int, default=d.brackets, help="k bracket pairs (dyck, shuffle)")
+    a("--max-depth", type=int, default=d.max_depth, help="D, the deepest nesting (dyck)")
     a("--targets", choices=["sampled", "exact"], default=d.targets,
       help="train on one sampled next token per position, or on the exact distribution")
     a("--norm", choices=list(NORMS), default=d.norm, help="where the LayerNorm sits (below)")
@@ -918,13 +1015,14 @@ def check_args(args, parser):
     bad = parser.error
     if args.vocab < 3:
         bad(f"--vocab must be at least 3, got {args.vocab}")
-    if not 1 <= args.train_len <= args.vocab - 1:
+    if args.task == "complement" and not 1 <= args.train_len <= args.vocab - 1:
         bad(f"--train-len must be in 1 .. vocab-1 = {args.vocab - 1}, got {args.train_len}")
     if not 0 <= args.ema < 1:
         bad(f"--ema must be in [0, 1), got {args.ema}")
     if not 0 <= args.dropout < 1:
         bad(f"--dropout must be in [0, 1), got {args.dropout}")
-    for flag in ("steps", "batch_size", "n_layer", "n_head", "n_embd"):
+    for flag in ("steps", "batch_size", "n_layer", "n_head", "n_embd", "train_len", "brackets",
+                 "max_depth"):
         if getattr(args, flag) < 1:
             bad(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -950,7 +1048,7 @@ def check_args(args, parser):
 
 def run_one(cfg, out, save=None):
     """The default command: train, evaluate, print the table, write metrics and figures."""
-    print(f"Set Complement: v={cfg.vocab}, train lengths 1..{cfg.train_len}, "
+    print(f"{task_name(cfg)}: v={cfg.vocab}, train lengths 1..{cfg.train_len}, "
           f"norm={cfg.norm} [{NORMS[cfg.norm]}], averaging={average_name(cfg)}, "
           f"targets={cfg.targets}, lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, "
           f"device={pick_device(cfg.device)}")
@@ -967,7 +1065,7 @@ def run_one(cfg, out, save=None):
     print(format_table(metrics, cfg.train_len, raw))
     summary = summarize(metrics, cfg.train_len)
     line = (f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation "
-            f"{cfg.train_len + 1}..{cfg.vocab - 1} {summary['tvd_extrap']:.4f}")
+            f"{cfg.train_len + 1}..{len(metrics['length'])} {summary['tvd_extrap']:.4f}")
     if raw:
         r = summarize(raw, cfg.train_len)
         line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"

@@ -457,3 +457,30 @@ def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
     V_ema = V * (1 - d) / (1 + d) * (1 + d * rho) / (1 - d * rho)
     assert box.weight.var().item() == pytest.approx(V, rel=0.08)
     assert ema.shadow[0].var().item() == pytest.approx(V_ema, rel=0.08)
+
+
+def readme_exercise_commands():
+    """Every `python resharpen.py ...` line in the README's Exercises section."""
+    import pathlib
+    import shlex
+    text = (pathlib.Path(__file__).parent / "README.md").read_text()
+    section = text.split("## Exercises", 1)[1].split("\n## ", 1)[0]
+    return [shlex.split(line)[2:] for line in section.splitlines()
+            if line.startswith("python resharpen.py")]
+
+
+def test_readme_has_the_exercise_commands():
+    assert len(readme_exercise_commands()) >= 15
+
+
+@pytest.mark.parametrize("argv", readme_exercise_commands(), ids=" ".join)
+def test_exercise_commands_still_run(argv, tmp_path, capsys):
+    # Each exercise's command, for 3 steps, writing into a temporary folder.
+    argv = list(argv)
+    for flag in ("--out", "--save"):
+        if flag in argv:
+            i = argv.index(flag)
+            argv[i + 1] = str(tmp_path / os.path.basename(argv[i + 1]))
+    R.main(argv + ["--steps", "3", "--device", "cpu"] + ([] if "--out" in argv else
+                                                         ["--out", str(tmp_path)]))
+    assert "mean TVD" in capsys.readouterr().out
