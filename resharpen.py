@@ -668,11 +668,15 @@ def compare_rows(runs):
     return rows
 
 
+def _sd(values):
+    """Sample standard deviation (0 for a single value)."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
+
+
 def compare_table(rows, train_len, wall, n_runs, workers):
     def stat(values):
-        mean = sum(values) / len(values)
-        sd = math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
-        return f"{mean:.3f} ± {sd:.3f}"
+        return f"{sum(values) / len(values):.3f} ± {_sd(values):.3f}"
 
     def line(key):
         sums = [summarize(m, train_len) for m in rows[key]]
@@ -785,16 +789,12 @@ def plot_compare_noise(rows, cfg, out):
     _save(fig, os.path.join(out, "compare_noise.png"))
 
 
-def compare(base, out):
-    """Run the grid, on every CPU core at once (one thread each) or one run at a time on a
-    GPU; print a line per run; write compare.md, compare.json and three figures."""
-    runs = compare_grid(base)
-    device = pick_device(base.device)
+def run_grid(runs, device):
+    """Train and evaluate every run: on every CPU core at once (one thread each), or one
+    at a time on a GPU, with a progress line per run. Returns (results, wall, workers)."""
     workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
-    print(f"comparison: {len(runs)} training runs of {base.steps} steps on {device}, "
-          f"{workers} at a time")
-    t0 = time.time()
-    done = []
+    print(f"{len(runs)} training runs on {device}, {workers} at a time")
+    t0, done = time.time(), []
     if workers > 1:
         import multiprocessing
         pool = multiprocessing.get_context("spawn").Pool(workers)
@@ -806,22 +806,31 @@ def compare(base, out):
             done.append((cfg, result, seconds))
             elapsed = time.time() - t0
             s = {a: summarize(result[a], cfg.train_len)["tvd_extrap"] for a in AVERAGES}
-            print(f"[{len(done):2d}/{len(runs)}] {cfg.norm:13s} {cfg.targets:7s} "
-                  f"{cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD raw {s['raw']:.3f} "
-                  f"ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s | grid ETA "
-                  f"{elapsed / len(done) * (len(runs) - len(done)):.0f}s", flush=True)
+            print(f"[{len(done):2d}/{len(runs)}] {task_name(cfg):13s} {cfg.norm:13s} "
+                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD "
+                  f"raw {s['raw']:.3f} ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s "
+                  f"| ETA {elapsed / len(done) * (len(runs) - len(done)):.0f}s", flush=True)
     finally:
         if pool:
             pool.terminate()
-    wall = time.time() - t0
+    return done, time.time() - t0, workers
+
+
+def write_text(text, path):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def compare(base, out):
+    """python resharpen.py --compare: the grid, then compare.md, compare.json, 3 figures."""
+    done, wall, workers = run_grid(compare_grid(base), pick_device(base.device))
     rows = compare_rows(done)
-    table = compare_table(rows, base.train_len, wall, len(runs), workers)
+    table = compare_table(rows, base.train_len, wall, len(done), workers)
     print("\n" + table)
-    with open(os.path.join(out, "compare.md.tmp"), "w") as f:
-        f.write(f"Written by `python resharpen.py --compare` (v={base.vocab}, train lengths "
-                f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}"
-                f").\n\n{table}\n")
-    os.replace(os.path.join(out, "compare.md.tmp"), os.path.join(out, "compare.md"))
+    write_text(f"Written by `python resharpen.py --compare` (v={base.vocab}, train lengths "
+               f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}"
+               f").\n\n{table}\n", os.path.join(out, "compare.md"))
     write_json({"config": asdict(base), "wall_seconds": round(wall, 1),
                 "runs": [{"config": asdict(c), **r} for c, r, _ in done]},
                os.path.join(out, "compare.json"))
@@ -830,6 +839,82 @@ def compare(base, out):
     plot_compare_noise(rows, base, out)
     print(f"wrote {out}/compare.md, compare.json, compare_norms.png, compare_dispersion.png, "
           f"compare_noise.png | {wall:.0f}s")
+
+# -----------------------------------------------------------------------------
+# the formal-language suite: do the remedies carry over? (README, "Formal languages")
+
+SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffle", brackets=2))
+# Counting and matching brackets need more than a bag of tokens: two layers (the second
+# reads what the first computed at every position), an MLP to threshold counts, and a
+# BOS token, whose share of uniform attention, 1 / (t + 1), tells the model how long
+# its prefix is (README, "Formal languages"). Trained on lengths 1..16, tested to 64.
+SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True,
+                   dropout=0.0, steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant",
+                   targets="sampled", ema=0.0, bema=False)
+
+
+def suite_grid(base, **overrides):
+    """Every language x {pre, post} x 3 seeds, with SUITE_MODEL's settings."""
+    seeds = [base.seed + i for i in range(COMPARE_SEEDS)]
+    settings = {**SUITE_MODEL, **overrides}
+    return [replace(base, **settings, **lang, norm=norm, seed=s)
+            for lang in SUITE_LANGUAGES for norm in ("pre", "post") for s in seeds]
+
+
+def suite_table(done, wall, workers):
+    head = ("| language | norm | weight average | TVD, training lengths | TVD, extrapolation "
+            "| TVD at the longest length | invalid mass, extrapolation |")
+    out = [head, "|---" * 7 + "|"]
+    stat = lambda xs: f"{sum(xs) / len(xs):.3f} ± {_sd(xs):.3f}"
+    for lang in SUITE_LANGUAGES:
+        for norm in ("pre", "post"):
+            runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
+            name = task_name(Config(**lang))
+            for avg in ("raw", "ema"):
+                ms = [r[avg] for r in runs]
+                L = done[0][0].train_len
+                sums = [summarize(m, L) for m in ms]
+                inv = [sum(m["invalid_mass"][L:]) / len(m["invalid_mass"][L:]) for m in ms]
+                out.append(f"| {name} | `{norm}` | {AVERAGE_LABELS[avg]} | "
+                           f"{stat([s['tvd_train'] for s in sums])} | "
+                           f"{stat([s['tvd_extrap'] for s in sums])} | "
+                           f"{stat([s['tvd_last'] for s in sums])} | {stat(inv)} |")
+    out += ["", f"Mean ± standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
+            f"runs, {wall:.0f} s wall in {workers} worker process(es)."]
+    return "\n".join(out)
+
+
+def plot_suite(done, out):
+    """suite.png: TVD against position per language, Pre-Norm and Post-Norm, raw and EMA."""
+    fig, axes = _figure(len(SUITE_LANGUAGES))
+    for ax, lang in zip(axes, SUITE_LANGUAGES):
+        cfg = next(c for c, _, _ in done if c.task == lang["task"])
+        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
+        for norm, color in (("pre", "tab:red"), ("post", "tab:blue")):
+            runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
+            xs = runs[0]["raw"]["length"]
+            ax.plot(xs, [sum(c) / len(c) for c in zip(*[r["raw"]["tvd"] for r in runs])],
+                    "--", color=color, lw=1, label=f"{norm}, raw weights")
+            _band(ax, xs, [r["ema"]["tvd"] for r in runs], f"{norm}, EMA {COMPARE_EMA}", color)
+        ax.set(xlabel="position", ylabel="TVD to the exact next-token distribution",
+               title=task_name(cfg), ylim=(0, None))
+        ax.legend(fontsize=7)
+    _save(fig, os.path.join(out, "suite.png"))
+
+
+def suite(base, out, **overrides):
+    """python resharpen.py --suite: the languages, then suite.md, suite.json, suite.png."""
+    done, wall, workers = run_grid(suite_grid(base, **overrides), pick_device(base.device))
+    table = suite_table(done, wall, workers)
+    print("\n" + table)
+    settings = ", ".join(f"{k} {v}" for k, v in {**SUITE_MODEL, **overrides}.items())
+    write_text(f"Written by `python resharpen.py --suite` ({settings}).\n\n{table}\n",
+               os.path.join(out, "suite.md"))
+    write_json({"wall_seconds": round(wall, 1),
+                "runs": [{"config": asdict(c), **r} for c, r, _ in done]},
+               os.path.join(out, "suite.json"))
+    plot_suite(done, out)
+    print(f"wrote {out}/suite.md, suite.json, suite.png | {wall:.0f}s")
 
 
 def _compare_one_thread(cfg):
@@ -1004,6 +1089,10 @@ def build_parser():
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
     a("--theory", action="store_true",
       help="build theory.md's models by hand, compare them with the formulas, write theory.png")
+    a("--suite", action="store_true",
+      help="run the formal-language suite (Dyck-(2, 4), Shuffle-2; pre and post norm; "
+           f"{COMPARE_SEEDS} seeds from --seed) with its own model settings (SUITE_MODEL), "
+           "and write suite.md and suite.png")
     a("--compare", action="store_true",
       help="run the comparison grid instead (norms x averaging x targets x schedule, "
            f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
@@ -1097,6 +1186,8 @@ def main(argv=None):
             theory(cfg.vocab, cfg.train_len, args.out)
         elif args.compare:
             compare(cfg, args.out)
+        elif args.suite:
+            suite(cfg, args.out)
         else:
             run_one(cfg, args.out, args.save)
     except NonFiniteLoss as e:
