@@ -804,16 +804,21 @@ def run_grid(runs, device):
     try:
         for cfg, result, seconds in results:
             done.append((cfg, result, seconds))
-            elapsed = time.time() - t0
             s = {a: summarize(result[a], cfg.train_len)["tvd_extrap"] for a in AVERAGES}
             print(f"[{len(done):2d}/{len(runs)}] {task_name(cfg):13s} {cfg.norm:13s} "
                   f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD "
                   f"raw {s['raw']:.3f} ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s "
-                  f"| ETA {elapsed / len(done) * (len(runs) - len(done)):.0f}s", flush=True)
+                  f"| ETA {eta(done, len(runs), workers):.0f}s", flush=True)
     finally:
         if pool:
             pool.terminate()
     return done, time.time() - t0, workers
+
+
+def eta(done, total, workers):
+    """Seconds left: the mean run time so far, times the runs left per worker."""
+    mean = sum(seconds for _, _, seconds in done) / len(done)
+    return mean * math.ceil((total - len(done)) / workers)
 
 
 def write_text(text, path):

@@ -484,3 +484,137 @@ def test_exercise_commands_still_run(argv, tmp_path, capsys):
     R.main(argv + ["--steps", "3", "--device", "cpu"] + ([] if "--out" in argv else
                                                          ["--out", str(tmp_path)]))
     assert "mean TVD" in capsys.readouterr().out
+
+# ----------------------------------------------------------------------------- languages
+# An independent description of each language, in plain Python lists: tokens 0..k-1 open,
+# k..2k-1 close, 2k END; a stream of strings, each ended by END.
+
+
+def legal_prefix(seq, task, k, D):
+    """Is seq a prefix of some stream of the language?"""
+    stack, counts = [], [0] * k
+    for tok in seq:
+        if tok == 2 * k:                                  # END: only with nothing open
+            if stack or any(counts):
+                return False
+        elif tok < k:                                     # open
+            if task == "dyck":
+                if len(stack) == D:
+                    return False
+                stack.append(tok)
+            counts[tok] += 1
+        else:                                             # close
+            if task == "dyck" and (not stack or stack[-1] != tok - k):
+                return False
+            if task == "shuffle" and counts[tok - k] == 0:
+                return False
+            if task == "dyck":
+                stack.pop()
+            counts[tok - k] -= 1
+    return True
+
+
+def dyck_probability(seq, k, D):
+    """The automaton's probability of the token sequence, rule by rule (PAPER.md)."""
+    stack, prob = [], 1.0
+    for tok in seq:
+        if not stack:
+            rule = {**{o: 1 / (2 * k) for o in range(k)}, 2 * k: 0.5}
+        elif len(stack) == D:
+            rule = {k + stack[-1]: 1.0}
+        else:
+            rule = {**{o: 1 / (2 * k) for o in range(k)}, k + stack[-1]: 0.5}
+        prob *= rule.get(tok, 0.0)
+        if prob == 0:
+            return 0.0
+        if tok < k:
+            stack.append(tok)
+        elif tok < 2 * k:
+            stack.pop()
+    return prob
+
+
+LANGUAGES = [dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brackets=1, max_depth=3),
+             dict(task="shuffle", brackets=2), dict(task="shuffle", brackets=1)]
+
+
+@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
+def test_language_samplers_emit_only_legal_streams(lang):
+    cfg = R.Config(**lang)
+    seqs = R.sample_language(cfg, 300, 40, torch.Generator().manual_seed(0))
+    for seq in seqs.tolist():
+        assert legal_prefix(seq, cfg.task, cfg.brackets, cfg.max_depth)
+
+
+@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
+def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
+    cfg = R.Config(**lang)
+    seqs = R.sample_language(cfg, 40, 25, torch.Generator().manual_seed(1))
+    p = R.target(seqs, cfg, torch.double)
+    assert torch.allclose(p.sum(-1), torch.ones(40, 25, dtype=torch.double))
+    for b, seq in enumerate(seqs.tolist()):
+        for t in range(25):
+            for a in range(cfg.vocab):
+                legal = legal_prefix(seq[: t + 1] + [a], cfg.task, cfg.brackets, cfg.max_depth)
+                assert (p[b, t, a] > 0) == legal
+
+
+@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
+def test_language_targets_equal_brute_force_over_all_short_streams(lang):
+    # Enumerate every token sequence of length n; keep the legal ones, weighted by the
+    # automaton (Dyck) or counted (Shuffle: uniform over legal next tokens, so a stream's
+    # weight is the product of 1 / (number of legal next tokens)).
+    import itertools
+    cfg = R.Config(**lang)
+    k, D, v, n = cfg.brackets, cfg.max_depth, cfg.vocab, 6
+
+    def weight(seq):
+        if cfg.task == "dyck":
+            return dyck_probability(seq, k, D)
+        w = 1.0
+        for t in range(len(seq)):
+            options = [a for a in range(v) if legal_prefix(list(seq[:t]) + [a], "shuffle", k, D)]
+            if seq[t] not in options:
+                return 0.0
+            w /= len(options)
+        return w
+    streams = {s: weight(s) for s in itertools.product(range(v), repeat=n)}
+    streams = {s: w for s, w in streams.items() if w > 0}
+    assert all(legal_prefix(list(s), cfg.task, k, D) for s in streams)
+    prefix_mass = {}
+    for s, w in streams.items():
+        for t in range(1, n + 1):
+            prefix_mass[s[:t]] = prefix_mass.get(s[:t], 0.0) + w
+    idx = torch.tensor(list(streams))
+    p = R.target(idx[:, : n - 1], cfg, torch.double)
+    for b, s in enumerate(streams):
+        for t in range(1, n):
+            brute = [prefix_mass.get(s[:t] + (a,), 0.0) / prefix_mass[s[:t]] for a in range(v)]
+            assert torch.allclose(p[b, t - 1], torch.tensor(brute, dtype=torch.double), atol=1e-12)
+
+
+def test_suite_and_comparison_run_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)   # in this process, one run at a time
+    base = R.Config(vocab=6, train_len=3, n_embd=8, steps=3, batch_size=4, device="cpu")
+    R.compare(base, str(tmp_path))
+    R.suite(base, str(tmp_path), steps=3, batch_size=4, n_embd=8, train_len=4)
+    assert {"compare.md", "compare.json", "compare_norms.png", "compare_dispersion.png",
+            "compare_noise.png", "suite.md", "suite.json", "suite.png"} <= set(os.listdir(tmp_path))
+    text = (tmp_path / "suite.md").read_text()
+    assert "Dyck-(2, 4)" in text and "Shuffle-2" in text
+
+
+def test_a_norm_on_a_bos_average_recovers_the_depth_at_any_length():
+    # theory.md, section 8: uniform attention over BOS (value e_0) and t brackets (values
+    # +e_1 for an open, -e_1 for a close) averages to (e_0 + depth e_1) / (t + 1). Its size
+    # shrinks with t, but LayerNorm (eps = 0) returns the same vector for the same depth.
+    def attn_average(opens, closes):
+        values = [torch.tensor([1.0, 0, 0, 0])] + [torch.tensor([0, 1.0, 0, 0])] * opens \
+            + [torch.tensor([0, -1.0, 0, 0])] * closes
+        return torch.stack(values).mean(0).double()
+    ln = lambda h: F.layer_norm(h, (4,), eps=0.0)
+    for depth in range(4):
+        short, long = attn_average(depth, 0), attn_average(depth + 20, 20)
+        assert not torch.allclose(short, long)
+        assert torch.allclose(ln(short), ln(long), atol=1e-12)
+    assert not torch.allclose(ln(attn_average(1, 0)), ln(attn_average(2, 0)))
