@@ -11,9 +11,13 @@ the noise of sampled next tokens. theory.md proves all of this; this file checks
 
     python resharpen.py                          # Pre-Norm, no EMA: watch it degrade
     python resharpen.py --post-norm --ema 0.999  # the paper's remedies
+    python resharpen.py --theory                 # theory.md's models, built by hand
+    python resharpen.py --compare                # every claim, 3 seeds (about 7 minutes)
+    python resharpen.py --suite                  # Dyck and Shuffle languages (about 5 minutes)
     python resharpen.py --help                   # every flag, with its default
 
-Reading order: task -> model -> EMA -> training -> evaluation -> figures -> command line.
+Reading order: Set Complement task -> formal languages -> model -> EMA -> training ->
+evaluation -> figures -> files -> comparison -> language suite -> theory -> command line.
 Importing this file runs nothing; tests and notebooks use its pieces.
 """
 
@@ -586,11 +590,14 @@ def plot_loss(losses, cfg, out):
 # files: written to a temporary name, then renamed, so a crash never leaves half a file
 
 
+def write_text(text, path):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def write_json(obj, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    write_text(json.dumps(obj, indent=1), path)
 
 
 def save_checkpoint(path, model, averager, cfg):
@@ -819,12 +826,6 @@ def eta(done, total, workers):
     """Seconds left: the mean run time so far, times the runs left per worker."""
     mean = sum(seconds for _, _, seconds in done) / len(done)
     return mean * math.ceil((total - len(done)) / workers)
-
-
-def write_text(text, path):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def compare(base, out):
