@@ -13,7 +13,7 @@ the noise of sampled next tokens. theory.md proves all of this; this file checks
     python resharpen.py --post-norm --ema 0.999  # the paper's remedies
     python resharpen.py --theory                 # theory.md's models, built by hand
     python resharpen.py --compare                # every claim, 3 seeds (about 7 minutes)
-    python resharpen.py --suite                  # Dyck and Shuffle languages (about 5 minutes)
+    python resharpen.py --suite                  # Dyck and Shuffle languages (about 4.5 minutes)
     python resharpen.py --help                   # every flag, with its default
 
 Reading order: Set Complement task -> formal languages -> model -> EMA -> training ->
@@ -853,7 +853,7 @@ SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffl
 # Counting and matching brackets need more than a bag of tokens: two layers (the second
 # reads what the first computed at every position), an MLP to threshold counts, and a
 # BOS token, whose share of uniform attention, 1 / (t + 1), tells the model how long
-# its prefix is (README, "Formal languages"). Trained on lengths 1..16, tested to 64.
+# its prefix is (theory.md, section 8). Trained on lengths 1..16, tested to 64.
 SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True,
                    dropout=0.0, steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant",
                    targets="sampled", ema=0.0, bema=False)
@@ -1058,8 +1058,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def build_parser():
     d = Config()
     p = Parser(prog="resharpen.py", formatter_class=HelpFormatter,
-               description="Set Complement task: train a tiny transformer on short prefixes, "
-                           "evaluate it at every length, write figures and metrics.json.",
+               description="Train a tiny transformer on short inputs of the Set Complement "
+                           "task (or a formal language),\nevaluate it at every length, print "
+                           "a table, write figures and metrics.json.",
                epilog="where the LayerNorm sits (--norm):\n" +
                "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
     a = p.add_argument
@@ -1072,12 +1073,12 @@ def build_parser():
     a("--targets", choices=["sampled", "exact"], default=d.targets,
       help="train on one sampled next token per position, or on the exact distribution")
     a("--norm", choices=list(NORMS), default=d.norm, help="where the LayerNorm sits (below)")
-    a("--post-norm", action="store_const", dest="norm", const="post",
+    a("--post-norm", action="store_const", dest="norm", const="post", default=argparse.SUPPRESS,
       help="shorthand for --norm post: x + LN(Attn(x))")
     a("--n-layer", type=int, default=d.n_layer, help="number of blocks")
     a("--n-head", type=int, default=d.n_head, help="attention heads per block")
     a("--n-embd", type=int, default=d.n_embd, help="width of the residual stream")
-    a("--mlp", action="store_true", help="add an MLP to each block (default: attention only)")
+    a("--mlp", action="store_true", help="add an MLP to each block (off: attention only)")
     a("--bos", action="store_true", help="prepend a beginning-of-sequence token to every input")
     a("--dropout", type=float, default=d.dropout, help="dropout probability")
     a("--steps", type=int, default=d.steps, help="optimizer steps")
