@@ -338,14 +338,15 @@ class BEMA(EMA):
         alpha_t = (rho + gamma t)^-eta              the strength of the correction
         ema_t   = (1 - beta_t) ema_{t-1} + beta_t theta_t,   ema_0 = theta_0
         bema_t  = alpha_t (theta_t - theta_0) + ema_t
-    theta_0 is the initialization (no burn-in). The correction adds back part of the
-    last step's drift, which cancels the lag an average has behind moving weights."""
+    theta_0 is the initialization (no burn-in). The correction adds back a fraction of
+    the drift since theta_0, which cancels the lag an average has behind moving weights.
+    It is computed when asked for, from the model's current weights theta_t."""
 
     def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
         super().__init__(model, decay=None)
         self.kappa, self.eta, self.rho, self.gamma, self.correct = kappa, eta, rho, gamma, correct
         self.theta0 = [p.detach().clone() for p in model.parameters()]
-        self.corrected = self.shadow
+        self.params = list(model.parameters())   # live: theta_t after the t-th update
 
     def beta(self, t):
         return (self.rho + self.gamma * t) ** -self.kappa
@@ -354,14 +355,9 @@ class BEMA(EMA):
         return (self.rho + self.gamma * t) ** -self.eta if self.correct else 0.0
 
     @torch.no_grad()
-    def update(self, model):
-        super().update(model)
-        a = self.alpha(self.t)
-        self.corrected = [s + a * (p - p0) for s, p, p0 in
-                          zip(self.shadow, model.parameters(), self.theta0)]
-
     def averaged(self):
-        return self.corrected
+        a = self.alpha(self.t)
+        return [s + a * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
 
 
 def make_averager(model, cfg):
@@ -425,10 +421,10 @@ def learning_rate(cfg, step):
 
 
 def train(cfg, log=print, averagers=None):
-    """Train a model on the Set Complement task. Returns (model, averagers, losses): the
-    model holds the raw (last-step) weights; averagers are the weight averages updated
-    after every step (by default the one cfg asks for). They never feed back into
-    training, so one run gives the numbers with and without them."""
+    """Train a model on cfg's task. Returns (model, averagers, losses): the model holds the
+    raw (last-step) weights; averagers are the weight averages updated after every step:
+    the one cfg asks for, or one per function model -> averager in `averagers`. They never
+    feed back into training, so one run gives the numbers with and without them."""
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)                      # the initialization
     gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
@@ -474,6 +470,7 @@ def evaluate(model, n_perm=EVAL_PERMS):
     4 x train_len), each averaged over n_perm fixed inputs. One forward pass over whole
     permutations gives every length at once."""
     cfg = model.cfg
+    was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     idx = eval_inputs(cfg, n_perm).to(device)          # (N, T)
@@ -493,15 +490,15 @@ def evaluate(model, n_perm=EVAL_PERMS):
     # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 3).
     gap = (logits * ~seen).sum(-1) / (~seen).sum(-1) - (logits * seen).sum(-1) / seen.sum(-1)
     # Entropy of the attention row of the last position, averaged over heads and layers;
-    # it can be at most log s, reached by uniform attention: total dispersion.
+    # it is at most log s (log(s + 1) with a BOS token), reached by uniform attention.
     att = torch.stack(atts)                             # (L, N, nh, T, T)
     ent = -(att * att.clamp_min(1e-30).log()).sum(-1)   # (L, N, nh, T)
     ent = ent.mean(dim=(0, 1, 2))
-    model.train()
+    model.train(was_training)
     mean = lambda m: [float(a) for a in m.mean(0)]  # average over the permutations
-    return {"length": list(range(1, idx.shape[1] + 1)), "tvd": mean(tvd), "invalid_mass": mean(invalid),
-            "kl": mean(kl), "attn_entropy": [float(a) for a in ent],
-            "logit_gap": mean(gap)}
+    return {"length": list(range(1, idx.shape[1] + 1)), "tvd": mean(tvd),
+            "invalid_mass": mean(invalid), "kl": mean(kl),
+            "attn_entropy": [float(a) for a in ent], "logit_gap": mean(gap)}
 
 
 def summarize(metrics, train_len):
@@ -514,12 +511,12 @@ def summarize(metrics, train_len):
 
 def format_table(metrics, train_len, raw=None):
     """A compact table, one row per selected length."""
-    v = len(metrics["length"]) + 1
-    rows = sorted({1, 2, 4, train_len, train_len + 1, 2 * train_len, v - 1} | set(range(8, v, 8)))
+    n = len(metrics["length"])
+    rows = sorted({1, 2, 4, train_len, train_len + 1, 2 * train_len, n} | set(range(8, n, 8)))
     head = f"{'s':>4} {'TVD':>7} {'invalid':>8} {'KL':>7} {'H(attn)':>8} {'log s':>6} {'gap':>7}"
     head += f" {'TVD raw':>8}" if raw else ""
     lines = [head]
-    for s in (r for r in rows if 1 <= r <= v - 1):
+    for s in (r for r in rows if 1 <= r <= n):
         i = s - 1
         line = (f"{s:>4} {metrics['tvd'][i]:7.4f} {metrics['invalid_mass'][i]:8.4f} "
                 f"{metrics['kl'][i]:7.4f} {metrics['attn_entropy'][i]:8.3f} "
@@ -1094,6 +1091,8 @@ def build_parser():
       help="auto: cuda, then mps, then cpu")
     a("--out", default="plots", help="folder for the figures and metrics.json")
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
+    mode = p.add_mutually_exclusive_group()   # instead of one training run:
+    a = mode.add_argument
     a("--theory", action="store_true",
       help="build theory.md's models by hand, compare them with the formulas, write theory.png")
     a("--suite", action="store_true",
@@ -1111,6 +1110,8 @@ def check_args(args, parser):
     bad = parser.error
     if args.vocab < 3:
         bad(f"--vocab must be at least 3, got {args.vocab}")
+    if (args.compare or args.theory) and args.task != "complement":
+        bad(f"--task {args.task}: --compare and --theory use the Set Complement task only")
     if args.task == "complement" and not 1 <= args.train_len <= args.vocab - 1:
         bad(f"--train-len must be in 1 .. vocab-1 = {args.vocab - 1}, got {args.train_len}")
     if not 0 <= args.ema < 1:

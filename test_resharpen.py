@@ -229,6 +229,8 @@ def test_save_and_load_give_identical_logits(tmp_path):
     idx = R.sample_permutations(3, 8)[:, :7]
     raw = R.load_checkpoint(path, raw=True)
     assert not raw.training
+    R.evaluate(raw, n_perm=5)
+    assert not raw.training          # evaluate() restores the mode it found
     assert torch.equal(raw(idx), model.eval()(idx))
     ema.copy_to(model)
     assert torch.equal(R.load_checkpoint(path)(idx), model(idx))
@@ -275,6 +277,9 @@ def expect_exit_2(argv, flag, capsys):
     (["--n-embd", "10", "--n-head", "3"], "--n-embd"),
     (["--norm", "middle"], "--norm"),
     (["--targets", "soft"], "--targets"),
+    (["--task", "dyck", "--compare"], "--task"),
+    (["--compare", "--suite"], "--suite"),
+    (["--task", "shuffle", "--brackets", "0"], "--brackets"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, flag, capsys, tmp_path):
     expect_exit_2(argv + ["--out", str(tmp_path)], flag, capsys)
