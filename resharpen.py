@@ -473,9 +473,11 @@ def evaluate(model, n_perm=EVAL_PERMS):
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    idx = eval_inputs(cfg, n_perm).to(device)          # (N, T)
-    logits, atts = model(idx, return_attn=True)         # (N, T, v)
-    logits = logits.double()   # float64: the hand-built models reach TVDs of 1e-30
+    idx = eval_inputs(cfg, n_perm)                      # (N, T), on the CPU
+    logits, atts = model(idx.to(device), return_attn=True)   # (N, T, v)
+    # The metrics are computed on the CPU in float64 (which MPS lacks): the hand-built
+    # models of theory.md reach TVDs of 1e-30.
+    logits, atts = logits.detach().cpu().double(), [a.detach().cpu() for a in atts]
     p = target(idx, cfg, torch.double)                  # (N, T, v)
     seen = p == 0          # the seen tokens; for a language, every illegal next token
     logq = F.log_softmax(logits, dim=-1)
