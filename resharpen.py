@@ -116,7 +116,7 @@ def exact_target(idx, vocab, dtype=torch.float):
 
 def language_state(cfg, n):
     """The automaton's state for n rows, before any token."""
-    return {"count": torch.zeros(n, cfg.brackets, dtype=torch.long),   # opens minus closes, per type
+    return {"count": torch.zeros(n, cfg.brackets, dtype=torch.long),   # opens - closes, per type
             "stack": torch.zeros(n, cfg.max_depth, dtype=torch.long),  # open types, bottom first
             "depth": torch.zeros(n, dtype=torch.long)}
 
@@ -694,7 +694,8 @@ def compare_table(rows, train_len, wall, n_runs, workers):
            "| norm | weight average " + head, sep]
     for norm in NORMS:
         for avg in AVERAGES:
-            out.append(f"| `{norm}` | {AVERAGE_LABELS[avg]} | {line((norm, 'sampled', 'constant', avg))} |")
+            key = (norm, "sampled", "constant", avg)
+            out.append(f"| `{norm}` | {AVERAGE_LABELS[avg]} | {line(key)} |")
     out += ["", "### Where the noise comes from (`post` norm)", "",
             "| targets, schedule | weight average " + head, sep]
     for targets in ("sampled", "exact"):
@@ -702,7 +703,8 @@ def compare_table(rows, train_len, wall, n_runs, workers):
             for avg in AVERAGES:
                 out.append(f"| {targets}, {schedule} | {AVERAGE_LABELS[avg]} | "
                            f"{line(('post', targets, schedule, avg))} |")
-    out += ["", "### The laws of theory.md, sections 3 to 5, on the trained models (EMA weights)", "",
+    out += ["", "### The laws of theory.md, sections 3 to 5, on the trained models (EMA weights)",
+            "",
             "| norm | quantity, over s = 1 .. v-1 | theory says | min | max |", "|---" * 5 + "|"]
     v = len(rows[("pre", "sampled", "constant", "ema")][0]["length"]) + 1
     laws = [("pre", "gap × s", "constant (1/s decay)", lambda s, g: g * s),
@@ -786,7 +788,8 @@ def plot_compare_noise(rows, cfg, out):
             vals = [[summarize(m, cfg.train_len)[key] for m in rows[("post", *g, avg)]]
                     for g in groups]
             mean = [sum(v) / len(v) for v in vals]
-            err = [[m - min(v) for m, v in zip(mean, vals)], [max(v) - m for m, v in zip(mean, vals)]]
+            err = [[m - min(v) for m, v in zip(mean, vals)],
+                   [max(v) - m for m, v in zip(mean, vals)]]
             xs = [i + (j - 1) * width for i in range(len(groups))]
             ax.bar(xs, mean, width, yerr=err, color=color, label=AVERAGE_LABELS[avg], capsize=2)
         ax.set_xticks(range(len(groups)), [f"{t}\n{sch}" for t, sch in groups], fontsize=8)
@@ -1009,7 +1012,8 @@ def theory(vocab, train_len, out):
         gamma = 6.0 / predicted_margin(vocab, norm, train_len)
         m = evaluate(hand_built(vocab, norm, gamma), n_perm=200)
         pred_m = [predicted_margin(vocab, norm, s, gamma) for s in m["length"]]
-        rows[norm] = (m, pred_m, [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)])
+        pred_tvd = [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)]
+        rows[norm] = (m, pred_m, pred_tvd)
     print(f"hand-built models, v={vocab}, each scaled to margin 6 at s={train_len}; "
           "'model' is evaluate() on the script's own Transformer, in float64\n(TVDs below "
           "about 1e-15 are float64 rounding, not the model)")
@@ -1160,7 +1164,8 @@ def run_one(cfg, out, save=None):
     else:
         metrics, raw = raw, None
     print(f"\nevaluated on {EVAL_PERMS} fixed permutations" +
-          (f" with the {average_name(cfg)} weights (raw weights in the last column)" if raw else ""))
+          (f" with the {average_name(cfg)} weights (raw weights in the last column)"
+           if raw else ""))
     print(format_table(metrics, cfg.train_len, raw))
     summary = summarize(metrics, cfg.train_len)
     line = (f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation "

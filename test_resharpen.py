@@ -318,7 +318,8 @@ def test_ema_off_is_exactly_the_raw_weights_of_an_ema_run():
 
 
 def test_bema_equals_its_closed_form():
-    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t, bema_t = a_t (theta_t - theta_0) + ema_t
+    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
+    # bema_t = a_t (theta_t - theta_0) + ema_t
     model = torch.nn.Linear(2, 2, bias=False)
     theta0 = model.weight.detach().clone()
     bema = R.BEMA(model)
