@@ -821,6 +821,7 @@ def run_grid(runs, device):
     finally:
         if pool:
             pool.terminate()
+    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
     return done, time.time() - t0, workers
 
 
