@@ -674,19 +674,17 @@ def compare_rows(runs):
     return rows
 
 
-def _sd(values):
-    """Sample standard deviation (0 for a single value)."""
+def mean_sd(values):
+    """'mean ± sample standard deviation', for the tables."""
     mean = sum(values) / len(values)
-    return math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
+    return f"{mean:.3f} ± {sd:.3f}"
 
 
 def compare_table(rows, train_len, wall, n_runs, workers):
-    def stat(values):
-        return f"{sum(values) / len(values):.3f} ± {_sd(values):.3f}"
-
     def line(key):
         sums = [summarize(m, train_len) for m in rows[key]]
-        return " | ".join(stat([s[k] for s in sums]) for k in ("tvd_train", "tvd_extrap",
+        return " | ".join(mean_sd([s[k] for s in sums]) for k in ("tvd_train", "tvd_extrap",
                                                                    "tvd_last"))
     head = "| TVD, training lengths | TVD, extrapolation | TVD at the longest length |"
     sep = "|---" * 5 + "|"
@@ -873,21 +871,19 @@ def suite_grid(base, **overrides):
 def suite_table(done, wall, workers):
     head = ("| language | norm | weight average | TVD, training lengths | TVD, extrapolation "
             "| TVD at the longest length | invalid mass, extrapolation |")
-    out = [head, "|---" * 7 + "|"]
-    stat = lambda xs: f"{sum(xs) / len(xs):.3f} ± {_sd(xs):.3f}"
+    out, L = [head, "|---" * 7 + "|"], done[0][0].train_len
     for lang in SUITE_LANGUAGES:
         for norm in ("pre", "post"):
             runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
             name = task_name(Config(**lang))
             for avg in ("raw", "ema"):
                 ms = [r[avg] for r in runs]
-                L = done[0][0].train_len
                 sums = [summarize(m, L) for m in ms]
                 inv = [sum(m["invalid_mass"][L:]) / len(m["invalid_mass"][L:]) for m in ms]
                 out.append(f"| {name} | `{norm}` | {AVERAGE_LABELS[avg]} | "
-                           f"{stat([s['tvd_train'] for s in sums])} | "
-                           f"{stat([s['tvd_extrap'] for s in sums])} | "
-                           f"{stat([s['tvd_last'] for s in sums])} | {stat(inv)} |")
+                           f"{mean_sd([s['tvd_train'] for s in sums])} | "
+                           f"{mean_sd([s['tvd_extrap'] for s in sums])} | "
+                           f"{mean_sd([s['tvd_last'] for s in sums])} | {mean_sd(inv)} |")
     out += ["", f"Mean ± standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
             f"runs, {wall:.0f} s wall in {workers} worker process(es)."]
     return "\n".join(out)
@@ -1133,12 +1129,10 @@ def check_args(args, parser):
         bad(f"--lr must be a positive number, got {args.lr}")
     if args.n_embd % args.n_head:
         bad(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        bad("--device cuda: no CUDA device here; allowed: auto, cpu" +
-            (", mps" if torch.backends.mps.is_available() else ""))
-    if args.device == "mps" and not torch.backends.mps.is_available():
-        bad("--device mps: no MPS device here; allowed: auto, cpu" +
-            (", cuda" if torch.cuda.is_available() else ""))
+    present = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not present.get(args.device, True):
+        allowed = ", ".join(["auto", "cpu"] + [d for d, ok in present.items() if ok])
+        bad(f"--device {args.device}: no {args.device.upper()} device here; allowed: {allowed}")
     try:
         os.makedirs(args.out, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
