@@ -1,31 +1,39 @@
 """
-resharpen.py: a minimal, single-file reference for "Post-Norm can Resharpen Attention"
-(Zsamboki et al., arXiv 2510.08341).
+resharpen.py: "Post-Norm can Resharpen Attention" (Zsamboki et al., arXiv 2510.08341), in
+one file. The Set Complement task: given distinct tokens from a vocabulary of v, predict
+the uniform distribution over the tokens NOT given. A tiny transformer with no positions,
+trained on short inputs, runs at any length, but its attention spreads over more tokens as
+the input grows and its prediction blurs; a LayerNorm on the attention output resharpens it.
 
-The Set Complement task: given a set of distinct tokens from a vocabulary of v, predict the
-uniform distribution over the tokens that are NOT in it. A tiny transformer with no
-positional encoding trained on short prefixes runs at any length, but its attention
-spreads over more tokens as the input grows (dispersion) and its predictions blur. A
-LayerNorm on the attention output resharpens them; an EMA of the weights averages out
-the noise of sampled next tokens. theory.md proves all of this; this file checks it.
+Reading map. Part 1 is the paper's idea, about 400 lines: read it top to bottom.
+    configuration -> the task -> the model (where the LayerNorm sits) -> the EMA of the
+    weights -> training -> evaluation at every length -> the main command's figures ->
+    theory.md's construction, set by hand in the same model class
+Part 2 reproduces the experiments; skip it on a first reading. It plugs into Part 1 through
+two small interfaces: a task object (TASKS) and the weight averagers passed to train().
+    BEMA -> formal languages (Dyck, Shuffle) -> files -> the main command -> the comparison
+    grid -> the language suite -> the theory figure -> the command line
+theory.md proves what Part 1 computes; each function names its section.
 
-    python resharpen.py                          # Pre-Norm, no EMA: watch it degrade
-    python resharpen.py --post-norm --ema 0.999  # the paper's remedies
+    python resharpen.py --post-norm --ema 0.999  # the remedy (about 30 s on a laptop CPU)
+    python resharpen.py --ema 0.999              # without it: watch the error grow
     python resharpen.py --theory                 # theory.md's models, built by hand
     python resharpen.py --compare                # every claim, 3 seeds (about 7 minutes)
-    python resharpen.py --suite                  # Dyck and Shuffle languages (about 4.5 minutes)
+    python resharpen.py --suite                  # Dyck and Shuffle (about 5 minutes)
     python resharpen.py --help                   # every flag, with its default
-
-Reading order: Set Complement task -> formal languages -> model -> EMA -> training ->
-evaluation -> figures -> files -> comparison -> language suite -> theory -> command line.
 Importing this file runs nothing; tests and notebooks use its pieces.
 """
 
 import argparse
+import contextlib
 import copy
+import hashlib
+import io
 import json
 import math
 import os
+import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -35,40 +43,39 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# -----------------------------------------------------------------------------
-# configuration: every default in one place
+# =============================================================================================
+# Part 1: the paper on the Set Complement task
+# =============================================================================================
+# ------------------------------------------------------------------ configuration: every default
 
 
 @dataclass
 class Config:
     # task
-    task: str = "complement"  # 'complement', or a formal language: 'dyck', 'shuffle'
-    vocab: int = 32           # v: tokens are 0 .. v-1 (set to 2k + 1 for a language)
+    task: str = "complement"  # a key of TASKS: 'complement' here; Part 2 adds the languages
+    vocab: int = 32           # v: tokens are 0 .. v-1
     train_len: int = 12       # train on prefixes of length s = 1 .. train_len
-    brackets: int = 2         # k, for the languages: bracket pairs
-    max_depth: int = 4        # D, for Dyck-(k, D): the deepest nesting allowed
-    targets: str = "sampled"  # 'sampled': one next token per position; 'exact': the whole target
+    targets: str = "sampled"  # 'sampled': one next token per position; 'exact': the target
     # model
-    norm: str = "pre"         # where the LayerNorm sits: see NORMS below
+    norm: str = "pre"         # where the LayerNorm sits: see NORMS
     n_layer: int = 1
     n_head: int = 1
     n_embd: int = 64
-    mlp: bool = False         # attention-only by default, like the paper's minimal model
-    bos: bool = False         # prepend a beginning-of-sequence token (a possible attention sink)
-    dropout: float = 0.0
+    mlp: bool = False         # attention only by default, like the paper's minimal model
+    bos: bool = False         # prepend a beginning-of-sequence token (a possible sink)
+    dropout: float = 0.0      # on the attention weights and on each block's outputs
     # optimization
     steps: int = 4000
     batch_size: int = 256
     lr: float = 3e-3          # constant by default: the regime where gradient noise shows
     lr_schedule: str = "constant"  # or 'cosine': decay to zero over the run
     ema: float = 0.0          # decay of the weight EMA; 0 = off
-    bema: bool = False        # bias-corrected EMA (BEMA) instead of the plain EMA
     seed: int = 0
     device: str = "auto"
-
-    def __post_init__(self):
-        if self.task != "complement":   # k opens, k closes, END
-            self.vocab = 2 * self.brackets + 1
+    # read only by Part 2
+    bema: bool = False        # average with BEMA instead of the plain EMA
+    brackets: int = 2         # k, for the formal languages
+    max_depth: int = 4        # D, for Dyck-(k, D)
 
 
 NORMS = {
@@ -77,41 +84,416 @@ NORMS = {
     "post": "x + LN(Attn(x)): the norm on the attention output (resharpens; --post-norm)",
     "post-residual": "LN(x + Attn(x)): Vaswani et al. 2017, the norm after the residual sum",
 }
-EVAL_SEED = 1234    # the evaluation permutations never change with --seed or the model
-EVAL_PERMS = 1000   # evaluation sample size: permutations of the whole vocabulary
+EVAL_SEED = 1234    # the evaluation inputs never change with --seed or the model
+EVAL_PERMS = 1000   # evaluation sample size
+EVAL_CHUNK = 2**22  # evaluate about this many numbers at a time, so memory stays bounded
 
-# -----------------------------------------------------------------------------
-# the Set Complement task (theory.md, section 1)
-
-
-def sample_permutations(n, vocab, generator=None):
-    """n random orderings of the vocabulary, (n, vocab). Read left to right, each next token
-    is a uniform sample from the tokens not seen yet: a sample of the task's target."""
-    return torch.argsort(torch.rand(n, vocab, generator=generator), dim=1)
+# ----------------------------------------------------------- the task (theory.md, section 1)
 
 
-def get_batch(cfg, generator):
-    """Inputs x (B, T) and next tokens y (B, T) with T = train_len: position t of x ends
-    the prefix of length s = t + 1, and y[:, t] is a sample from that prefix's target."""
-    if cfg.task == "complement":
-        seq = sample_permutations(cfg.batch_size, cfg.vocab, generator)[:, : cfg.train_len + 1]
-    else:
-        seq = sample_language(cfg, cfg.batch_size, cfg.train_len + 1, generator)
-    return seq[:, :-1], seq[:, 1:]
+class SetComplement:
+    """The task as an object with four methods. Part 2's formal languages have the same
+    four, so training and evaluation never ask which task they run."""
+    name = "Set Complement"
+
+    def __init__(self, cfg):
+        self.vocab, self.train_len = cfg.vocab, cfg.train_len
+
+    def sample(self, n, T, generator=None):
+        """n random orderings of the vocabulary, cut to T tokens. Read left to right, each
+        next token is uniform on the tokens not seen yet: a sample of the prefix's target."""
+        return torch.argsort(torch.rand(n, self.vocab, generator=generator), dim=1)[:, :T]
+
+    def target(self, idx, dtype=torch.float):
+        """p*(prefix) for every prefix of every row, (B, T) -> (B, T, v): zero on the tokens
+        seen so far, uniform on the rest. A prefix must not hold the whole vocabulary."""
+        seen = F.one_hot(idx, self.vocab).cumsum(dim=1).clamp(max=1)  # (B, T, v)
+        unseen = (1 - seen).to(dtype)
+        return unseen / unseen.sum(dim=-1, keepdim=True)
+
+    def eval_inputs(self, n):
+        """The fixed evaluation inputs: whole permutations, so every length 1 .. v-1."""
+        return self.sample(n, self.vocab - 1, torch.Generator().manual_seed(EVAL_SEED))
+
+    def loss_floor(self):
+        """The lowest possible loss: the target's entropy log(v - s), averaged over s."""
+        L = self.train_len
+        return sum(math.log(self.vocab - s) for s in range(1, L + 1)) / L
 
 
-def exact_target(idx, vocab, dtype=torch.float):
-    """p*(prefix) for every prefix of every row: (B, T) -> (B, T, v). Zero on the tokens
-    seen so far, uniform on the rest. A prefix must not hold the whole vocabulary."""
-    seen = F.one_hot(idx, vocab).cumsum(dim=1).clamp(max=1)  # (B, T, v): 1 if seen by t
-    unseen = (1 - seen).to(dtype)
-    return unseen / unseen.sum(dim=-1, keepdim=True)
+TASKS = {"complement": SetComplement}   # Part 2 adds 'dyck' and 'shuffle'
 
-# -----------------------------------------------------------------------------
-# formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k
-# Tokens: 0 .. k-1 open brackets, k .. 2k-1 their closes, 2k END. A sequence is a stream of
-# strings, each ended by END, after which the next string starts from the empty state; so
-# every position has an exact next-token distribution, given by a small automaton.
+# ---------------------------------- the model: a tiny transformer with no positional encoding
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, written out so that its weights can be read."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # W_Q, W_K, W_V
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)      # W_O
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)    # (B, nh, T, T)
+        # Causal mask only, no positions: the last token sees its prefix as a set, which
+        # is why one model runs at every length (theory.md, section 1).
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = self.drop(att) @ v                             # (B, nh, T, hs): the average
+        y = y.transpose(1, 2).contiguous().view(B, T, C)   # (B, T, C)
+        return self.c_proj(y), att
+
+
+class Block(nn.Module):
+    """One transformer block. cfg.norm says where its LayerNorms sit (theory.md, section 5):
+        pre, pre-final   x = x + Attn(LN(x));   x = x + MLP(LN(x))
+        post             x = x + LN(Attn(x));   x = x + LN(MLP(x))
+        post-residual    x = LN(x + Attn(x));   x = LN(x + MLP(x))
+    Dropout (cfg.dropout) acts on the attention weights and on Attn's and MLP's outputs."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = cfg.norm
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd) if cfg.mlp else None
+        C = cfg.n_embd
+        self.mlp = nn.Sequential(nn.Linear(C, 4 * C, bias=False), nn.GELU(),
+                                 nn.Linear(4 * C, C, bias=False)) if cfg.mlp else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        """Returns the new residual stream and the attention weights, (B, n_head, T, T)."""
+        if self.norm in ("pre", "pre-final"):
+            a, att = self.attn(self.ln_1(x))
+            x = x + self.drop(a)
+            if self.mlp:
+                x = x + self.drop(self.mlp(self.ln_2(x)))
+        elif self.norm == "post":
+            # The norm rescales the attention average back to unit size however many
+            # tokens it averaged: this is what resharpens (theory.md, section 5).
+            a, att = self.attn(x)
+            x = x + self.ln_1(self.drop(a))
+            if self.mlp:
+                x = x + self.ln_2(self.drop(self.mlp(x)))
+        else:  # post-residual
+            a, att = self.attn(x)
+            x = self.ln_1(x + self.drop(a))
+            if self.mlp:
+                x = self.ln_2(x + self.drop(self.mlp(x)))
+        return x, att
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> (final LN for 'pre-final') -> unembedding. No positions."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab + cfg.bos, cfg.n_embd)   # E; row v is BOS, if any
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd) if cfg.norm == "pre-final" else nn.Identity()
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)  # U
+        for p in self.parameters():   # GPT-2's init; LayerNorms keep weight 1, bias 0
+            if p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def forward(self, idx, return_attn=False):
+        """idx (B, T) LongTensor -> logits (B, T, v); with return_attn, also the attention
+        weights of every layer, a list of (B, n_head, T, T) (T + 1 keys with cfg.bos)."""
+        if self.cfg.bos:  # token v at position 0; its own output predicts nothing and is cut
+            idx = torch.cat([torch.full_like(idx[:, :1], self.cfg.vocab), idx], dim=1)
+        x = self.wte(idx)  # (B, T, C)
+        atts = []
+        for block in self.blocks:
+            x, att = block(x)
+            atts.append(att)
+        logits = self.lm_head(self.ln_f(x))
+        if self.cfg.bos:
+            logits, atts = logits[:, 1:], [a[:, :, 1:] for a in atts]
+        return (logits, atts) if return_attn else logits
+
+# ------------------------------------------------ an EMA of the weights (theory.md, section 6)
+
+
+class EMA:
+    """A shadow copy of the parameters, averaged after every optimizer step:
+        avg_t = (1 - beta_t) * avg_{t-1} + beta_t * theta_t,   beta_t = (1 - d) / (1 - d**t)
+    This beta_t is Adam's bias correction written as a weight: avg_t is exactly the
+    average of theta_1 .. theta_t with weights proportional to d**(t - k), so the random
+    initialization never enters it and a short run is not dominated by the start."""
+
+    def __init__(self, model, decay):
+        self.decay, self.t = decay, 0
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+
+    def beta(self, t):
+        return (1 - self.decay) / (1 - self.decay**t)
+
+    @torch.no_grad()
+    def update(self, model):
+        self.t += 1
+        for s, p in zip(self.shadow, model.parameters()):
+            s.lerp_(p, self.beta(self.t))  # s + beta_t * (p - s)
+
+    def averaged(self):
+        """The weights to evaluate."""
+        return self.shadow
+
+
+@torch.no_grad()
+def averaged_copy(model, averager):
+    """A copy of the model holding the averaged weights; the model keeps the raw ones."""
+    model = copy.deepcopy(model)
+    for a, p in zip(averager.averaged(), model.parameters()):
+        p.copy_(a)
+    return model
+
+# -------------------------------------------------------------------------------------- training
+
+
+def pick_device(name):
+    """'auto': a CUDA GPU, else Apple's MPS, else the CPU."""
+    if name != "auto":
+        return name
+    mps = torch.backends.mps.is_available()
+    return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+
+
+def learning_rate(cfg, step):
+    """Constant, or a cosine decay from cfg.lr at step 1 to zero at the last step."""
+    if cfg.lr_schedule == "cosine":
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / max(cfg.steps - 1, 1)))
+    return cfg.lr
+
+
+def train(cfg, log=print, averagers=None):
+    """Train on cfg's task. Returns (model, averagers, losses): the model holds the last
+    weights; each function model -> averager in `averagers` (default: cfg.ema's EMA) makes
+    an average, updated every step, that never feeds back into training."""
+    task = TASKS[cfg.task](cfg)
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)                      # the initialization
+    gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
+    model = Transformer(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if averagers is None:
+        averagers = [lambda m: EMA(m, cfg.ema)] if cfg.ema > 0 else []
+    averagers = [make(model) for make in averagers]
+    losses, floor = [], task.loss_floor()
+    t_last, step_last, every = time.time(), 0, max(1, cfg.steps // 8)
+    for step in range(1, cfg.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        seq = task.sample(cfg.batch_size, cfg.train_len + 1, gen).to(device)
+        x, y = seq[:, :-1], seq[:, 1:]   # (B, T): y[:, t] samples the target of x[:, :t+1]
+        logp = F.log_softmax(model(x), dim=-1)   # (B, T, v)
+        if cfg.targets == "exact":   # the same expected gradient, without the sampling noise
+            loss = -(task.target(x) * logp).sum(-1).mean()
+        else:
+            loss = F.nll_loss(logp.reshape(-1, cfg.vocab), y.reshape(-1))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss became {loss.item()} at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        for avg in averagers:
+            avg.update(model)
+        losses.append(loss.item())
+        if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):   # early, then 8x
+            now = time.time()
+            rate = (step - step_last) / max(now - t_last, 1e-9)
+            t_last, step_last = now, step
+            recent = losses[-min(every, step):]
+            log(f"step {step:5d}/{cfg.steps} | loss {sum(recent) / len(recent):.4f} (floor "
+                f"{floor:.4f}) | {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
+    weights = list(model.parameters()) + [w for a in averagers for w in a.averaged()]
+    if not all(torch.isfinite(w).all() for w in weights):
+        raise FloatingPointError(f"the weights became NaN or infinite by step {cfg.steps}")
+    return model, averagers, losses
+
+# ------------------------------------------- evaluation at every length (theory.md, sections 3-5)
+
+
+@torch.no_grad()
+def evaluate(model, n_perm=EVAL_PERMS):
+    """Metrics at every prefix length s = 1 .. v-1, averaged over n_perm fixed inputs: one
+    pass over a whole permutation gives every length; chunks of inputs bound the memory."""
+    cfg, was_training, device = model.cfg, model.training, next(model.parameters()).device
+    task = TASKS[cfg.task](cfg)
+    model.eval()
+    idx = task.eval_inputs(n_perm)                             # (N, T), on the CPU
+    N, T = idx.shape
+    rows = max(1, EVAL_CHUNK // (T * (cfg.vocab + (T + 1) * cfg.n_head * cfg.n_layer)))
+    total = {}
+    for chunk in idx.split(rows):
+        logits, atts = model(chunk.to(device), return_attn=True)   # (n, T, v)
+        logits = logits.cpu().double()   # float64 on the CPU (MPS has none): TVDs of 1e-30
+        p = task.target(chunk, torch.double)                   # (n, T, v)
+        seen = p == 0          # the seen tokens; for a language, every illegal next token
+        logq = F.log_softmax(logits, dim=-1)
+        q = logq.exp()
+        # TVD to the exact target as the total excess of q over p* (half the L1 distance,
+        # and exact even when as small as 1e-30); the mass on seen (invalid) tokens.
+        tvd = (q - p).clamp_min(0).sum(-1)
+        invalid = (q * seen).sum(-1)
+        # KL(p* || q): sums only over the unseen tokens, where p* > 0.
+        kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
+        # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 3).
+        gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)
+               - (logits * seen).sum(-1) / seen.sum(-1))
+        # Attention entropy, mean over heads and layers; uniform attention gives the most.
+        att = torch.stack(atts).cpu().double()                 # (L, n, nh, T, T)
+        ent = -(att * att.clamp_min(1e-300).log()).sum(-1).mean(dim=(0, 2))   # (n, T)
+        for key, m in zip(("tvd", "invalid_mass", "kl", "logit_gap", "attn_entropy"),
+                          (tvd, invalid, kl, gap, ent)):
+            total[key] = total.get(key, 0) + m.sum(0)         # summed over the rows
+    model.train(was_training)
+    metrics = {"length": list(range(1, T + 1))}
+    metrics.update({key: [float(x) / N for x in m] for key, m in total.items()})
+    metrics["log_positions"] = [math.log(s + cfg.bos) for s in metrics["length"]]
+    return metrics
+
+
+# ------------------------------- the main command's figures (matplotlib's object API: no screen)
+
+
+def new_figure(ncols=1):
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5.2 * ncols, 3.8), layout="constrained")
+    return fig, fig.subplots(1, ncols)
+
+
+def plot_length(metrics, cfg, raw=None, average="EMA"):
+    """length.png: TVD, invalid mass and attention entropy against length. Entropy is shown
+    minus its largest value, log(positions seen): 0 is uniform attention (theory.md, 4)."""
+    fig, axes = new_figure(3)
+    s = metrics["length"]
+    deficit = lambda m: [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]
+    for ax, key, title in zip(axes, ("tvd", "invalid_mass", "attn"),
+                              ("TVD to the exact target", "invalid mass (on seen tokens)",
+                               "attention entropy - log(positions)")):
+        get = deficit if key == "attn" else lambda m: m[key]
+        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
+        if raw:
+            ax.plot(s, get(raw), color="tab:gray", lw=1.2, label="raw weights")
+        ax.plot(s, get(metrics), color="tab:blue", lw=2, label=average if raw else "model")
+        ax.set(xlabel="prefix length s", title=title, xlim=(0.5, s[-1] + 0.5))
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(0, None)
+    axes[1].set_ylim(0, None)
+    fig.suptitle(f"norm={cfg.norm}, targets={cfg.targets}, seed={cfg.seed}", fontsize=10)
+    return fig
+
+
+# ----------------------------- theory.md's construction, by hand, in the model class that trains
+
+
+def hand_built(vocab, norm, gamma=1.0):
+    """One layer, one head, n_embd = 2v, no MLP, float64, and
+      W_Q = W_K = 0          every score is 0, so attention is uniform over the prefix
+      E[x] = e_(v+x)         token x sits in the second half of the features
+      W_V W_O                writes the centred one-hot e_x - 1/v into the first half
+      U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
+    The readout never sees the second half, so B = E U = 0: only the displacement acts.
+    (nn.Linear stores W as (out, in); theory.md's row vectors multiply its transpose.)"""
+    v, n = vocab, 2 * vocab
+    # float64 throughout, so that TVDs far below float32's 1e-7 are computed exactly
+    model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
+    attn = model.blocks[0].attn
+    eye = lambda k: torch.eye(k, dtype=torch.double)
+    with torch.no_grad():
+        for p in model.parameters():   # LayerNorms keep gain 1 and bias 0
+            if p.dim() == 2:
+                p.zero_()
+        model.wte.weight[:, v:] = eye(v)
+        attn.c_attn.weight[2 * n:3 * n][:v, v:] = eye(v) - 1.0 / v   # W_V
+        attn.c_proj.weight.copy_(eye(n))                              # W_O
+        model.lm_head.weight[:, :v] = -gamma * eye(v)
+    return model.eval()
+
+
+def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
+    """theory.md, sections 3 and 5: logit of an unseen token minus logit of a seen one, at
+    length s, for hand_built(vocab, norm, gamma). The attention average of the values is
+    h = 1_t / s - 1/v (1 on the seen tokens), whose seen-unseen difference is 1/s; each
+    LayerNorm divides it by the standard deviation of what that norm sees (eps: LN's)."""
+    n = 2 * vocab
+    var_1 = (n - 1) / n**2 + eps   # the input LN (pre, pre-final) sees one token e_(v+x)
+    if norm == "pre":
+        return gamma / (s * math.sqrt(var_1))
+    if norm == "pre-final":        # the final LN sees that token plus h / sqrt(var_1)
+        var_f = (1 + (1 / s - 1 / vocab) / var_1) / n - 1 / n**2
+        return gamma / (s * math.sqrt(var_1) * math.sqrt(var_f + eps))
+    var = {"post": (1 / s - 1 / vocab) / n,                          # only h: shrinks with s
+           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + h
+           }[norm]
+    return gamma / (s * math.sqrt(var + eps))
+
+
+def predicted_tvd(vocab, s, margin):
+    """theory.md, section 3: with balanced logits the TVD equals the invalid mass,
+    s e^-m / (s e^-m + v - s)."""
+    return s / (s + (vocab - s) * math.exp(margin))
+
+
+# =============================================================================================
+# Part 2: what reproduces the experiments (skip it on a first reading)
+# =============================================================================================
+# ----------------------------------------------------------------------------- BEMA
+
+
+class BEMA(EMA):
+    """Bias-corrected EMA (Block & Zhang 2025, "EMA Without the Lag"), with their defaults:
+        beta_t  = (rho + gamma t)^-kappa            the weight of the new iterate
+        alpha_t = (rho + gamma t)^-eta              the strength of the correction
+        ema_t   = (1 - beta_t) ema_{t-1} + beta_t theta_t,   ema_0 = theta_0
+        bema_t  = alpha_t (theta_t - theta_0) + ema_t
+    theta_0 is the initialization (no burn-in). The correction adds back a fraction of
+    the drift since theta_0, which cancels the lag an average has behind moving weights.
+    It is computed when asked for, from the model's current weights theta_t."""
+
+    def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
+        super().__init__(model, decay=None)
+        self.kappa, self.eta, self.rho, self.gamma, self.correct = kappa, eta, rho, gamma, correct
+        self.theta0 = [p.detach().clone() for p in model.parameters()]
+        self.params = list(model.parameters())   # live: theta_t after the t-th update
+
+    def beta(self, t):
+        return (self.rho + self.gamma * t) ** -self.kappa
+
+    def alpha(self, t):
+        return (self.rho + self.gamma * t) ** -self.eta if self.correct else 0.0
+
+    @torch.no_grad()
+    def averaged(self):
+        a = self.alpha(self.t)
+        return [s + a * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
+
+
+def averagers_for(cfg):
+    """What train() should average: BEMA if cfg asks for it, else its default (cfg.ema)."""
+    return [BEMA] if cfg.bema else None
+
+
+def average_name(cfg):
+    return "BEMA" if cfg.bema else f"EMA {cfg.ema}" if cfg.ema > 0 else "none"
+
+# ----------------------------------------------------------------------------- languages
+# Formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k, as tasks with
+# SetComplement's four methods. Tokens: 0 .. k-1 open brackets, k .. 2k-1 their closes, 2k
+# END. A stream is a run of strings, each ended by END, after which the next string starts
+# from the empty state; so every position has an exact next-token distribution, given by a
+# small automaton (theory.md, section 8).
 
 
 def language_state(cfg, n):
@@ -153,361 +535,170 @@ def language_step(cfg, state, tok):
     state["count"] += F.one_hot(kind, k) * sign[:, None]
 
 
-def sample_language(cfg, n, T, generator=None):
-    """n streams of T tokens, each token drawn from the automaton's distribution."""
-    state, tokens = language_state(cfg, n), []
-    for _ in range(T):
-        tok = torch.multinomial(language_next(cfg, state), 1, generator=generator)[:, 0]
-        language_step(cfg, state, tok)
-        tokens.append(tok)
-    return torch.stack(tokens, dim=1)
+def language_config(base=None, **changes):
+    """A Config for a language: its vocabulary is always 2k + 1 (k opens, k closes, END)."""
+    cfg = replace(base or Config(), **changes)
+    return replace(cfg, vocab=2 * cfg.brackets + 1)
 
 
-def target(idx, cfg, dtype=torch.float):
-    """The exact next-token distribution after every prefix of every row: (B, T) -> (B, T, v)."""
-    if cfg.task == "complement":
-        return exact_target(idx, cfg.vocab, dtype)
-    state, out = language_state(cfg, idx.shape[0]), []
-    for t in range(idx.shape[1]):
-        language_step(cfg, state, idx[:, t].cpu())
-        out.append(language_next(cfg, state, dtype))
-    return torch.stack(out, dim=1).to(idx.device)
-
-
-def task_name(cfg):
-    return {"complement": "Set Complement", "dyck": f"Dyck-({cfg.brackets}, {cfg.max_depth})",
-            "shuffle": f"Shuffle-{cfg.brackets}"}[cfg.task]
-
-
-def eval_inputs(cfg, n):
-    """The fixed evaluation inputs: whole permutations (lengths 1 .. v-1) for the Set
-    Complement task, streams of 4 x train_len tokens for a language."""
-    g = torch.Generator().manual_seed(EVAL_SEED)
-    if cfg.task == "complement":
-        return sample_permutations(n, cfg.vocab, g)[:, : cfg.vocab - 1]
-    return sample_language(cfg, n, 4 * cfg.train_len, g)
-
-# -----------------------------------------------------------------------------
-# the model: a tiny decoder-only transformer with no positional encoding
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention, written out so that its weights can be read."""
+class Language:
+    """Dyck-(k, D) or Shuffle-k (cfg.task 'dyck' or 'shuffle'), with SetComplement's methods."""
 
     def __init__(self, cfg):
-        super().__init__()
-        assert cfg.n_embd % cfg.n_head == 0
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # W_Q, W_K, W_V
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)      # W_O
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)    # (B, nh, T, T)
-        # Causal mask only, no positions: the last token sees its prefix as a set, which
-        # is why one model runs at every length (theory.md, section 1).
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = self.drop(att) @ v                             # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)   # (B, T, C)
-        return self.c_proj(y), att
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x):
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
-
-
-class Block(nn.Module):
-    """One transformer block. cfg.norm says where its LayerNorms sit (theory.md, section 5):
-        pre, pre-final   x = x + Attn(LN(x));   x = x + MLP(LN(x))
-        post             x = x + LN(Attn(x));   x = x + LN(MLP(x))
-        post-residual    x = LN(x + Attn(x));   x = LN(x + MLP(x))
-    """
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.norm = cfg.norm
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd) if cfg.mlp else None
-        self.mlp = MLP(cfg) if cfg.mlp else None
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x):
-        if self.norm in ("pre", "pre-final"):
-            a, att = self.attn(self.ln_1(x))
-            x = x + self.drop(a)
-            if self.mlp:
-                x = x + self.mlp(self.ln_2(x))
-        elif self.norm == "post":
-            # The norm rescales the attention average back to unit size however many
-            # tokens it averaged: this is what resharpens (theory.md, section 5).
-            a, att = self.attn(x)
-            x = x + self.ln_1(self.drop(a))
-            if self.mlp:
-                x = x + self.ln_2(self.mlp(x))
-        else:  # post-residual
-            a, att = self.attn(x)
-            x = self.ln_1(x + self.drop(a))
-            if self.mlp:
-                x = self.ln_2(x + self.mlp(x))
-        return x, att
-
-
-class Transformer(nn.Module):
-    """Token embedding -> blocks -> (final LN for 'pre-final') -> unembedding. No positions."""
-
-    def __init__(self, cfg):
-        super().__init__()
+        assert cfg.vocab == 2 * cfg.brackets + 1, "make a language's Config with language_config"
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab + cfg.bos, cfg.n_embd)   # E; row v is BOS, if any
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd) if cfg.norm == "pre-final" else nn.Identity()
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)  # U
-        for p in self.parameters():   # GPT-2's init; LayerNorms keep weight 1, bias 0
-            if p.dim() == 2:
-                nn.init.normal_(p, mean=0.0, std=0.02)
+        self.name = (f"Dyck-({cfg.brackets}, {cfg.max_depth})" if cfg.task == "dyck"
+                     else f"Shuffle-{cfg.brackets}")
 
-    def forward(self, idx, return_attn=False):
-        """idx (B, T) LongTensor -> logits (B, T, v); with return_attn, also the attention
-        weights of every layer, a list of (B, n_head, T, T) (T + 1 keys with cfg.bos)."""
-        if self.cfg.bos:  # token v at position 0; its own output predicts nothing and is cut
-            idx = torch.cat([torch.full_like(idx[:, :1], self.cfg.vocab), idx], dim=1)
-        x = self.wte(idx)  # (B, T, C)
-        atts = []
-        for block in self.blocks:
-            x, att = block(x)
-            atts.append(att)
-        logits = self.lm_head(self.ln_f(x))
-        if self.cfg.bos:
-            logits, atts = logits[:, 1:], [a[:, :, 1:] for a in atts]
-        return (logits, atts) if return_attn else logits
+    def sample(self, n, T, generator=None):
+        """n streams of T tokens, each token drawn from the automaton's distribution."""
+        state, tokens = language_state(self.cfg, n), []
+        for _ in range(T):
+            tok = torch.multinomial(language_next(self.cfg, state), 1, generator=generator)[:, 0]
+            language_step(self.cfg, state, tok)
+            tokens.append(tok)
+        return torch.stack(tokens, dim=1)
 
-# -----------------------------------------------------------------------------
-# EMA of the weights (theory.md, section 6)
+    def target(self, idx, dtype=torch.float):
+        """The exact next-token distribution after every prefix: (B, T) -> (B, T, v)."""
+        state, out = language_state(self.cfg, idx.shape[0]), []
+        for t in range(idx.shape[1]):
+            language_step(self.cfg, state, idx[:, t].cpu())
+            out.append(language_next(self.cfg, state, dtype))
+        return torch.stack(out, dim=1).to(idx.device)
 
+    def eval_inputs(self, n):
+        """Fixed streams of 4 x train_len tokens: positions up to 4 times the training's."""
+        g = torch.Generator().manual_seed(EVAL_SEED)
+        return self.sample(n, 4 * self.cfg.train_len, g)
 
-class EMA:
-    """A shadow copy of the parameters, averaged after every optimizer step:
-        avg_t = (1 - beta_t) * avg_{t-1} + beta_t * theta_t,   beta_t = (1 - d) / (1 - d**t)
-    This beta_t is Adam's bias correction written as a weight: avg_t is exactly the
-    average of theta_1 .. theta_t with weights proportional to d**(t - k), so the random
-    initialization never enters it and a short run is not dominated by the start."""
-
-    def __init__(self, model, decay):
-        self.decay = decay
-        self.t = 0
-        self.shadow = [p.detach().clone() for p in model.parameters()]
-
-    def beta(self, t):
-        return (1 - self.decay) / (1 - self.decay**t)
-
-    @torch.no_grad()
-    def update(self, model):
-        self.t += 1
-        beta = self.beta(self.t)
-        for s, p in zip(self.shadow, model.parameters()):
-            s.lerp_(p, beta)  # s + beta * (p - s)
-
-    def averaged(self):
-        """The weights to evaluate."""
-        return self.shadow
-
-    @torch.no_grad()
-    def copy_to(self, model):
-        for a, p in zip(self.averaged(), model.parameters()):
-            p.copy_(a)
+    def loss_floor(self):
+        """The target's entropy over the training positions, estimated on 2000 fixed streams."""
+        p = self.target(self.eval_inputs(2000)[:, : self.cfg.train_len], torch.double)
+        return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
 
 
-class BEMA(EMA):
-    """Bias-corrected EMA (Block & Zhang 2025, "EMA Without the Lag"), with their defaults:
-        beta_t  = (rho + gamma t)^-kappa            the weight of the new iterate
-        alpha_t = (rho + gamma t)^-eta              the strength of the correction
-        ema_t   = (1 - beta_t) ema_{t-1} + beta_t theta_t,   ema_0 = theta_0
-        bema_t  = alpha_t (theta_t - theta_0) + ema_t
-    theta_0 is the initialization (no burn-in). The correction adds back a fraction of
-    the drift since theta_0, which cancels the lag an average has behind moving weights.
-    It is computed when asked for, from the model's current weights theta_t."""
+TASKS.update(dyck=Language, shuffle=Language)
 
-    def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
-        super().__init__(model, decay=None)
-        self.kappa, self.eta, self.rho, self.gamma, self.correct = kappa, eta, rho, gamma, correct
-        self.theta0 = [p.detach().clone() for p in model.parameters()]
-        self.params = list(model.parameters())   # live: theta_t after the t-th update
-
-    def beta(self, t):
-        return (self.rho + self.gamma * t) ** -self.kappa
-
-    def alpha(self, t):
-        return (self.rho + self.gamma * t) ** -self.eta if self.correct else 0.0
-
-    @torch.no_grad()
-    def averaged(self):
-        a = self.alpha(self.t)
-        return [s + a * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
+# ----------------------------------------------------------------------------- files
+# Every file is written to its own temporary name in the target folder, then renamed: a
+# reader never sees half a file, and two runs never share a temporary file. A run's files
+# are written together, under a lock on the folder (POSIX), with its JSON record last; the
+# record lists the sha256 of every file written with it, and is deleted before the others
+# are replaced. So: a figure whose hash is in the JSON beside it is from that run, and a
+# folder with no JSON was interrupted while writing.
 
 
-def make_averager(model, cfg):
-    """The weight average cfg asks for: BEMA, a plain EMA, or none."""
-    if cfg.bema:
-        return BEMA(model)
-    return EMA(model, cfg.ema) if cfg.ema > 0 else None
-
-
-def average_name(cfg):
-    return "BEMA" if cfg.bema else f"EMA {cfg.ema}" if cfg.ema > 0 else "none"
-
-
-def averaged_copy(model, averager):
-    """A copy of the model holding the averaged weights; the model keeps the raw ones."""
-    model = copy.deepcopy(model)
-    averager.copy_to(model)
-    return model
-
-# -----------------------------------------------------------------------------
-# training
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def loss_fn(logits, x, y, cfg):
-    """Cross-entropy against the sampled next token y, or against the exact target of
-    every prefix of x. Both have the same expected gradient; 'exact' has no noise."""
-    logp = F.log_softmax(logits, dim=-1)  # (B, T, v)
-    if cfg.targets == "exact":
-        return -(target(x, cfg) * logp).sum(-1).mean()
-    return F.nll_loss(logp.view(-1, cfg.vocab), y.reshape(-1))
-
-
-def loss_floor(cfg):
-    """The lowest possible loss: the target's entropy, averaged over the training positions.
-    Set Complement: the mean of log(v - s). A language: estimated on 2000 fixed streams."""
-    if cfg.task == "complement":
-        return sum(math.log(cfg.vocab - s) for s in range(1, cfg.train_len + 1)) / cfg.train_len
-    p = target(eval_inputs(cfg, 2000)[:, : cfg.train_len], cfg, torch.double)
-    return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
-
-
-class NonFiniteLoss(RuntimeError):
+class WriteError(RuntimeError):
     pass
 
 
-def learning_rate(cfg, step):
-    """Constant, or a cosine decay from cfg.lr at step 1 to zero at the last step."""
-    if cfg.lr_schedule == "cosine":
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / max(cfg.steps - 1, 1)))
-    return cfg.lr
+def write_bytes(path, data):
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)   # mkstemp's 0600 would differ from the other files
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
-def train(cfg, log=print, averagers=None):
-    """Train a model on cfg's task. Returns (model, averagers, losses): the model holds the
-    raw (last-step) weights; averagers are the weight averages updated after every step:
-    the one cfg asks for, or one per function model -> averager in `averagers`. They never
-    feed back into training, so one run gives the numbers with and without them."""
-    device = pick_device(cfg.device)
-    torch.manual_seed(cfg.seed)                      # the initialization
-    gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
-    model = Transformer(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if averagers is None:
-        averagers = [a for a in [make_averager(model, cfg)] if a]
-    else:
-        averagers = [make(model) for make in averagers]
-    losses, floor = [], loss_floor(cfg)
-    t0 = t_last = time.time()
-    every = max(1, cfg.steps // 8)
-    for step in range(1, cfg.steps + 1):
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(cfg, step)
-        x, y = get_batch(cfg, gen)
-        x, y = x.to(device), y.to(device)
-        loss = loss_fn(model(x), x, y, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        for avg in averagers:
-            avg.update(model)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            raise NonFiniteLoss(f"loss became {losses[-1]} at step {step}; try a smaller --lr")
-        if step % every == 0 or step == cfg.steps:
-            now = time.time()
-            rate = every / max(now - t_last, 1e-9) if step % every == 0 else step / (now - t0)
-            t_last = now
-            recent = sum(losses[-every:]) / len(losses[-every:])
-            log(f"step {step:5d}/{cfg.steps} | loss {recent:.4f} (floor {floor:.4f}) "
-                f"| {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
-    return model, averagers, losses
-
-# -----------------------------------------------------------------------------
-# length-extrapolation evaluation (theory.md, sections 3-5)
+def figure_bytes(fig):
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
 
 
-@torch.no_grad()
-def evaluate(model, n_perm=EVAL_PERMS):
-    """Metrics at every prefix length s = 1 .. v-1 (for a language: every position up to
-    4 x train_len), each averaged over n_perm fixed inputs. One forward pass over whole
-    permutations gives every length at once."""
-    cfg = model.cfg
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    idx = eval_inputs(cfg, n_perm)                      # (N, T), on the CPU
-    logits, atts = model(idx.to(device), return_attn=True)   # (N, T, v)
-    # The metrics are computed on the CPU in float64 (which MPS lacks): the hand-built
-    # models of theory.md reach TVDs of 1e-30.
-    logits, atts = logits.detach().cpu().double(), [a.detach().cpu() for a in atts]
-    p = target(idx, cfg, torch.double)                  # (N, T, v)
-    seen = p == 0          # the seen tokens; for a language, every illegal next token
-    logq = F.log_softmax(logits, dim=-1)
-    q = logq.exp()
-    # Total variation distance to the exact target, written as the total excess of q over
-    # p* (equal to half the L1 distance, and exact even when it is as small as 1e-30),
-    # and the mass on seen (invalid) tokens.
-    tvd = (q - p).clamp_min(0).sum(-1)
-    invalid = (q * seen).sum(-1)
-    # KL(p* || q): sums only over the unseen tokens, where p* > 0.
-    kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
-    # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 3).
-    gap = (logits * ~seen).sum(-1) / (~seen).sum(-1) - (logits * seen).sum(-1) / seen.sum(-1)
-    # Entropy of the attention row of the last position, averaged over heads and layers;
-    # it is at most log s (log(s + 1) with a BOS token), reached by uniform attention.
-    att = torch.stack(atts)                             # (L, N, nh, T, T)
-    ent = -(att * att.clamp_min(1e-30).log()).sum(-1)   # (L, N, nh, T)
-    ent = ent.mean(dim=(0, 1, 2))
-    model.train(was_training)
-    mean = lambda m: [float(a) for a in m.mean(0)]  # average over the permutations
-    return {"length": list(range(1, idx.shape[1] + 1)), "tvd": mean(tvd),
-            "invalid_mass": mean(invalid), "kl": mean(kl),
-            "attn_entropy": [float(a) for a in ent], "logit_gap": mean(gap)}
+def json_bytes(obj):
+    return (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode("utf-8")
+
+
+@contextlib.contextmanager
+def folder_lock(folder):
+    """Exclusive while it lasts, against other runs writing the same folder (POSIX only)."""
+    try:
+        import fcntl
+    except ImportError:    # Windows: no lock; each file is still whole
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_outputs(out, files, record_name=None, record=None):
+    """Write files {name: bytes} into out, then the JSON record (if any) listing their sha256.
+    Everything is rendered before this is called, so a failure here is the disk's."""
+    path, done = None, []
+    try:
+        os.makedirs(out, exist_ok=True)
+        with folder_lock(out):
+            if record_name and os.path.exists(os.path.join(out, record_name)):
+                os.remove(os.path.join(out, record_name))
+            for name, data in files.items():
+                path = os.path.join(out, name)
+                write_bytes(path, data)
+                done.append(name)
+            if record_name:
+                hashes = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+                path = os.path.join(out, record_name)
+                write_bytes(path, json_bytes({**record, "files": hashes}))
+    except (OSError, KeyboardInterrupt) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise WriteError(f"could not write {path} ({why}); written: {', '.join(done) or 'none'}"
+                         + (f"; {record_name} was not, so {out} holds an incomplete set"
+                            if record_name else "")) from None
+    return [os.path.join(out, name) for name in [*files, *([record_name] if record_name else [])]]
+
+
+def checkpoint_bytes(model, averager, cfg):
+    ckpt = {"config": asdict(cfg), "model": model.state_dict()}
+    if averager:
+        ckpt["ema"] = [a.cpu() for a in averager.averaged()]
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    return buf.getvalue()
+
+
+def save_checkpoint(path, model, averager, cfg):
+    """Config, raw weights and averaged weights (if any), written whole or not at all."""
+    write_bytes(path, checkpoint_bytes(model, averager, cfg))
+
+
+def load_checkpoint(path, raw=False, device="cpu"):
+    """A ready model in eval mode: the averaged weights if the run had them (unless raw)."""
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        model = Transformer(Config(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+    except (EOFError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path} is not a resharpen.py checkpoint ({e or type(e).__name__})")
+    if "ema" in ckpt and not raw:
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), ckpt["ema"]):
+                p.copy_(s)
+    return model.to(device).eval()
+
+# ----------------------------------------------------------------------------- main command
+# python resharpen.py [flags]: train, evaluate at every length, print, write the figures
 
 
 def summarize(metrics, train_len):
-    """Mean TVD over the training lengths, over the extrapolation lengths, and at the last."""
+    """Mean TVD over the training lengths, over the longer ones (None if there are none,
+    train_len = v - 1), and at the longest."""
     tvd = metrics["tvd"]
-    return {"tvd_train": sum(tvd[:train_len]) / train_len,
-            "tvd_extrap": sum(tvd[train_len:]) / len(tvd[train_len:]),
+    beyond = tvd[train_len:]
+    return {"tvd_train": sum(tvd[:train_len]) / len(tvd[:train_len]),
+            "tvd_extrap": sum(beyond) / len(beyond) if beyond else None,
             "tvd_last": tvd[-1]}
 
 
@@ -515,126 +706,93 @@ def format_table(metrics, train_len, raw=None):
     """A compact table, one row per selected length."""
     n = len(metrics["length"])
     rows = sorted({1, 2, 4, train_len, train_len + 1, 2 * train_len, n} | set(range(8, n, 8)))
-    head = f"{'s':>4} {'TVD':>7} {'invalid':>8} {'KL':>7} {'H(attn)':>8} {'log s':>6} {'gap':>7}"
-    head += f" {'TVD raw':>8}" if raw else ""
-    lines = [head]
+    log_n = "log(s+1)" if metrics["log_positions"][0] > 0 else "log s"   # BOS is one more
+    head = f"{'s':>4} {'TVD':>7} {'invalid':>8} {'KL':>7} {'H(attn)':>8} {log_n:>8} {'gap':>7}"
+    lines = [head + (f" {'TVD raw':>8}" if raw else "")]
     for s in (r for r in rows if 1 <= r <= n):
         i = s - 1
         line = (f"{s:>4} {metrics['tvd'][i]:7.4f} {metrics['invalid_mass'][i]:8.4f} "
                 f"{metrics['kl'][i]:7.4f} {metrics['attn_entropy'][i]:8.3f} "
-                f"{math.log(s):6.3f} {metrics['logit_gap'][i]:7.3f}")
+                f"{metrics['log_positions'][i]:8.3f} {metrics['logit_gap'][i]:7.3f}")
         line += f" {raw['tvd'][i]:8.4f}" if raw else ""
         lines.append(line + ("   <- longest training length" if s == train_len else ""))
     return "\n".join(lines)
 
-# -----------------------------------------------------------------------------
-# figures (matplotlib's object API with the Agg canvas: no screen, no global state)
 
-
-def _figure(ncols=1):
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(5.2 * ncols, 3.8), layout="constrained")
-    return fig, fig.subplots(1, ncols)
-
-
-def _save(fig, path):
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-
-
-def plot_length(metrics, cfg, out, raw=None):
-    """plots/length.png: TVD and invalid mass against length, training lengths shaded."""
-    fig, axes = _figure(2)
-    s = metrics["length"]
-    for ax, key, title in zip(axes, ("tvd", "invalid_mass"),
-                              ("TVD to the exact target", "invalid mass (on seen tokens)")):
-        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-        if raw:
-            ax.plot(s, raw[key], color="tab:gray", lw=1.2, label="raw weights")
-        ax.plot(s, metrics[key], color="tab:blue", lw=2,
-                label=average_name(cfg) if raw else "model")
-        ax.set(xlabel="prefix length s", title=title, ylim=(0, None), xlim=(0.5, s[-1] + 0.5))
-        ax.legend(fontsize=8)
-    fig.suptitle(f"norm={cfg.norm}, averaging={average_name(cfg)}, targets={cfg.targets}, "
-                 f"seed={cfg.seed}",
-                 fontsize=10)
-    _save(fig, os.path.join(out, "length.png"))
-
-
-def plot_attention(metrics, cfg, out):
-    """plots/attention.png: entropy of the last position's attention against log s."""
-    fig, ax = _figure()
-    logs = [math.log(s) for s in metrics["length"]]
-    ax.axvspan(0, math.log(cfg.train_len + 0.5), color="0.9", label="training lengths")
-    ax.plot(logs, metrics["attn_entropy"], "o-", ms=4, label="model")
-    ax.plot(logs, logs, "k--", lw=1, zorder=3, label="log s (uniform attention)")
-    ax.set(xlabel="log s", ylabel="attention entropy (nats)", title="attention dispersion")
-    ax.legend(fontsize=8)
-    _save(fig, os.path.join(out, "attention.png"))
-
-
-def plot_loss(losses, cfg, out):
-    """plots/loss.png: the training loss, smoothed over 50 steps, and its floor."""
-    fig, ax = _figure()
+def plot_loss(losses, floor):
+    """loss.png: the training loss, smoothed over 50 steps, and its floor."""
+    fig, ax = new_figure()
     k = min(50, len(losses))
     smooth = [sum(losses[i:i + k]) / k for i in range(len(losses) - k + 1)]
-    ax.plot(range(k, len(losses) + 1), smooth, lw=1, label=f"{cfg.targets} loss ({k}-step mean)")
-    ax.axhline(loss_floor(cfg), color="k", ls="--", lw=1, label="floor: entropy of the target")
+    ax.plot(range(k, len(losses) + 1), smooth, lw=1, label=f"loss ({k}-step mean)")
+    ax.axhline(floor, color="k", ls="--", lw=1, label="floor: entropy of the target")
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="training loss")
     ax.legend(fontsize=8)
-    _save(fig, os.path.join(out, "loss.png"))
-
-# -----------------------------------------------------------------------------
-# files: written to a temporary name, then renamed, so a crash never leaves half a file
+    return fig
 
 
-def write_text(text, path):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+def finite(metrics):
+    return all(math.isfinite(x) for key, xs in metrics.items() if key != "length" for x in xs)
 
 
-def write_json(obj, path):
-    write_text(json.dumps(obj, indent=1), path)
+def run_one(cfg, out, save=None):
+    """The default command: train, evaluate, print the table, write metrics and figures."""
+    task = TASKS[cfg.task](cfg)
+    print(f"{task.name}: v={cfg.vocab}, train lengths 1..{cfg.train_len}, norm={cfg.norm} "
+          f"[{NORMS[cfg.norm]}], averaging={average_name(cfg)}, targets={cfg.targets}, "
+          f"lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, device={pick_device(cfg.device)}")
+    t0 = time.time()
+    model, averagers, losses = train(cfg, averagers=averagers_for(cfg))
+    train_time = time.time() - t0
+    metrics = raw = evaluate(model)
+    if averagers:
+        metrics = evaluate(averaged_copy(model, averagers[0]))
+    else:
+        raw = None
+    if not (finite(metrics) and (raw is None or finite(raw))):
+        raise FloatingPointError("the metrics are not finite (the logits overflow)")
+    print(f"\nevaluated on {EVAL_PERMS} fixed inputs" +
+          (f" with the {average_name(cfg)} weights (raw weights in the last column)"
+           if raw else ""))
+    print(format_table(metrics, cfg.train_len, raw))
+    summary = summarize(metrics, cfg.train_len)
+    n = len(metrics["length"])
+    extrap = (f"{cfg.train_len + 1}..{n} {summary['tvd_extrap']:.4f}"
+              if summary["tvd_extrap"] is not None else "none (every length was trained)")
+    line = f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation {extrap}"
+    if raw and summary["tvd_extrap"] is not None:
+        r = summarize(raw, cfg.train_len)
+        line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"
+    print(line)
+    # Everything is rendered before anything is written.
+    files = {"length.png": figure_bytes(plot_length(metrics, cfg, raw, average_name(cfg))),
+             "loss.png": figure_bytes(plot_loss(losses, task.loss_floor()))}
+    record = {"config": asdict(cfg), **metrics, "summary": summary,
+              "train_seconds": round(train_time, 2)}
+    if raw:
+        record["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
+    written = []
+    if save:
+        ckpt = checkpoint_bytes(model, averagers[0] if averagers else None, cfg)
+        record["checkpoint"] = {"path": save, "sha256": hashlib.sha256(ckpt).hexdigest()}
+        try:
+            write_bytes(save, ckpt)
+        except OSError as e:
+            raise WriteError(f"could not write the checkpoint {save} ({e.strerror}); nothing "
+                             "was written") from None
+        written.append(save)
+    written = write_outputs(out, files, "metrics.json", record) + written
+    print(f"wrote {', '.join(written)} | {time.time() - t0:.1f}s")
 
-
-def save_checkpoint(path, model, averager, cfg):
-    """Write config, raw and EMA weights to a temporary file, then rename: a crash never
-    leaves a half-written checkpoint."""
-    ckpt = {"config": asdict(cfg), "model": model.state_dict()}
-    if averager:
-        ckpt["ema"] = [a.cpu() for a in averager.averaged()]
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(ckpt, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_checkpoint(path, raw=False, device="cpu"):
-    """A ready model in eval mode: the EMA weights if the run had them (unless raw=True)."""
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    cfg = Config(**ckpt["config"])
-    model = Transformer(cfg)
-    model.load_state_dict(ckpt["model"])
-    if "ema" in ckpt and not raw:
-        with torch.no_grad():
-            for p, s in zip(model.parameters(), ckpt["ema"]):
-                p.copy_(s)
-    return model.to(device).eval()
-
-# -----------------------------------------------------------------------------
-# the comparison experiment: every claim of the paper, 3 seeds each (README, "Results")
+# ----------------------------------------------------------------------------- comparison
+# python resharpen.py --compare: every claim of the paper, 3 seeds each (README, "Results")
 
 COMPARE_SEEDS = 3
 COMPARE_EMA = 0.999
 AVERAGES = ("raw", "ema", "bema")
 AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
+COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
+          "post-residual": "tab:purple"}
 
 
 def compare_grid(base):
@@ -661,7 +819,51 @@ def compare_one(cfg, threads=None):
                                   averagers=[lambda m: EMA(m, COMPARE_EMA), BEMA])
     result = {"raw": evaluate(model), "ema": evaluate(averaged_copy(model, ema)),
               "bema": evaluate(averaged_copy(model, bema))}
+    if not all(finite(m) for m in result.values()):
+        raise FloatingPointError(f"the metrics of {cfg} are not finite")
     return cfg, result, time.time() - t0
+
+
+def _compare_one_thread(cfg):
+    return compare_one(cfg, threads=1)
+
+
+def _ignore_ctrl_c():
+    """Worker processes leave Ctrl-C to the main process, which stops them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run_grid(runs, device):
+    """Train and evaluate every run: on every CPU core at once (one thread each), or one
+    at a time on a GPU, with a progress line per run. Returns (results, wall, workers)."""
+    workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
+    print(f"{len(runs)} training runs on {device}, {workers} at a time", flush=True)
+    t0, done = time.time(), []
+    if workers > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_ctrl_c)
+        results = pool.imap_unordered(_compare_one_thread, runs)
+    else:
+        pool, results = None, map(compare_one, runs)
+    try:
+        for cfg, result, seconds in results:
+            done.append((cfg, result, seconds))
+            s = {a: summarize(result[a], cfg.train_len)["tvd_extrap"] for a in AVERAGES}
+            print(f"[{len(done):2d}/{len(runs)}] {TASKS[cfg.task](cfg).name:13s} {cfg.norm:13s} "
+                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD "
+                  f"raw {s['raw']:.3f} ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s "
+                  f"| ETA {eta(done, len(runs), workers):.0f}s", flush=True)
+    finally:
+        if pool:
+            pool.terminate()
+    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
+    return done, time.time() - t0, workers
+
+
+def eta(done, total, workers):
+    """Seconds left: the mean run time so far, times the runs left per worker."""
+    mean = sum(seconds for _, _, seconds in done) / len(done)
+    return mean * math.ceil((total - len(done)) / workers)
 
 
 def compare_rows(runs):
@@ -675,10 +877,20 @@ def compare_rows(runs):
 
 
 def mean_sd(values):
-    """'mean ± sample standard deviation', for the tables."""
+    """'mean +- sample standard deviation', for the tables."""
     mean = sum(values) / len(values)
     sd = math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
-    return f"{mean:.3f} ± {sd:.3f}"
+    return f"{mean:.3f} +- {sd:.3f}"
+
+
+def gap_laws(v):
+    """theory.md's laws for the logit gap, as (norm, what, says, function of (s, gap)) that
+    should be constant in s: Pre-Norm's gap falls like 1/s (section 3), Post-Norm's like
+    v / sqrt(s (v - s)) (section 5: slower, and never below its value at s = v / 2)."""
+    return [("pre", "gap x s", "constant: the gap falls like 1/s", lambda s, g: g * s),
+            ("post", "gap x sqrt(s (v-s)) / v",
+             "constant: the gap follows v / sqrt(s (v-s)), lowest at s = v/2",
+             lambda s, g: g * math.sqrt(s * (v - s)) / v)]
 
 
 def compare_table(rows, train_len, wall, n_runs, workers):
@@ -705,79 +917,79 @@ def compare_table(rows, train_len, wall, n_runs, workers):
             "",
             "| norm | quantity, over s = 1 .. v-1 | theory says | min | max |", "|---" * 5 + "|"]
     v = len(rows[("pre", "sampled", "constant", "ema")][0]["length"]) + 1
-    laws = [("pre", "gap × s", "constant (1/s decay)", lambda s, g: g * s),
-            ("post", "gap × sqrt(s (v-s)) / v", "constant (no decay)",
-             lambda s, g: g * math.sqrt(s * (v - s)) / v),
-            ("pre", "attention entropy − log s", "0 (uniform attention)", None),
-            ("post", "attention entropy − log s", "0 (uniform attention)", None)]
-    for norm, what, says, law in laws:
+    for norm, what, says, law in gap_laws(v):
         runs = rows[(norm, "sampled", "constant", "ema")]
-        if law:
-            vals = [law(s, g) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
-        else:
-            vals = [h - math.log(s) for m in runs for s, h in zip(m["length"], m["attn_entropy"])]
+        vals = [law(s, g) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
         out.append(f"| `{norm}` | {what} | {says} | {min(vals):.3f} | {max(vals):.3f} |")
-    out += ["", f"Mean ± standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
+    for norm in ("pre", "post"):
+        runs = rows[(norm, "sampled", "constant", "ema")]
+        vals = [h - u for m in runs for h, u in zip(m["attn_entropy"], m["log_positions"])]
+        out.append(f"| `{norm}` | attention entropy - log s | 0: uniform attention | "
+                   f"{min(vals):.3f} | {max(vals):.3f} |")
+    out += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
             f"{wall:.0f} s wall in {workers} worker process(es)."]
     return "\n".join(out)
 
 
-def _band(ax, xs, curves, label, color):
+def _band(ax, xs, curves, label, color, lw=2, zorder=2):
     mean = [sum(c) / len(c) for c in zip(*curves)]
     ax.fill_between(xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
-                    color=color, alpha=0.2, lw=0)
-    ax.plot(xs, mean, color=color, lw=2, label=label)
+                    color=color, alpha=0.3, lw=0, zorder=zorder)
+    ax.plot(xs, mean, color=color, lw=lw, label=label, zorder=zorder)
+    return mean
 
 
-def plot_compare_norms(rows, cfg, out):
-    """compare_norms.png: TVD against length per norm placement, mean and min-max band."""
-    fig, axes = _figure(2)
-    colors = dict(zip(NORMS, ("tab:red", "tab:orange", "tab:blue", "tab:purple")))
-    for ax, avg in zip(axes, ("raw", "ema")):
-        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-        for norm in NORMS:
-            curves = [m["tvd"] for m in rows[(norm, "sampled", "constant", avg)]]
-            _band(ax, list(range(1, cfg.vocab)), curves, f"{norm}: {NORMS[norm].split(':')[0]}",
-                  colors[norm])
-        ax.set(xlabel="prefix length s", ylabel="TVD to the exact target", ylim=(0, 1),
-               xlim=(0.5, cfg.vocab - 0.5), title=f"weight average: {AVERAGE_LABELS[avg]}")
-        ax.legend(fontsize=7, loc="upper left")
-    _save(fig, os.path.join(out, "compare_norms.png"))
-
-
-def plot_compare_dispersion(rows, cfg, out):
-    """compare_dispersion.png: attention entropy against log s, and the logit gap against s,
-    for Pre-Norm and Post-Norm (EMA weights)."""
-    fig, (ax1, ax2) = _figure(2)
-    s = list(range(1, cfg.vocab))
-    logs = [math.log(x) for x in s]
-    ax1.plot(logs, logs, "k--", lw=1, zorder=3, label="log s: uniform attention")
-    for norm, color in (("pre", "tab:red"), ("post", "tab:blue")):
+def plot_compare_norms(rows, cfg):
+    """compare_norms.png, the README's first figure. Left: the logit gap against length
+    per norm placement, with theory.md's laws matched at the longest training length.
+    Right: TVD against length. EMA weights; mean and min-max band over the seeds."""
+    fig, (ax1, ax2) = new_figure(2)
+    fig.set_size_inches(10.4, 4.6)
+    s, L, v = list(range(1, cfg.vocab)), cfg.train_len, cfg.vocab
+    for ax in (ax1, ax2):
+        ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths")
+    for norm in ("pre", "post-residual", "pre-final", "post"):   # the remedy drawn last
         runs = rows[(norm, "sampled", "constant", "ema")]
-        _band(ax1, logs, [m["attn_entropy"] for m in runs], norm, color)
-        _band(ax2, s, [m["logit_gap"] for m in runs], norm, color)
-        # theory.md's laws, scaled to the model at the longest training length: beyond it
-        # they are predictions. Pre: gap ~ 1/s. Post: gap ~ v / sqrt(s (v - s)).
-        L, v = cfg.train_len, cfg.vocab
-        at_L = sum(m["logit_gap"][L - 1] for m in runs) / len(runs)
-        law = [at_L * L / x if norm == "pre" else
-               at_L * math.sqrt(L * (v - L) / (x * (v - x))) for x in s]
-        ax2.plot(s, law, ":", color="k", lw=1.2,
-                 label="theory, matched at s = train_len" if norm == "post" else None)
-    ax1.axvspan(0, math.log(cfg.train_len + 0.5), color="0.9")
-    ax2.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-    ax1.set(xlabel="log s", ylabel="attention entropy, last position (nats)",
-            title="attention disperses over the whole prefix")
-    ax2.set(xlabel="prefix length s", ylabel="mean logit: unseen minus seen",
-            title="logit gap (theory.md, sections 3 and 5)", ylim=(0, None))
-    ax1.legend(fontsize=8)
-    ax2.legend(fontsize=8)
-    _save(fig, os.path.join(out, "compare_dispersion.png"))
+        top = dict(lw=3, zorder=5) if norm == "post" else dict(lw=1.5, zorder=3)
+        gap = _band(ax1, s, [m["logit_gap"] for m in runs], f"{norm}: {NORMS[norm].split(':')[0]}",
+                    COLORS[norm], **top)
+        _band(ax2, s, [m["tvd"] for m in runs], None, COLORS[norm], **top)
+        law = {"pre": lambda x: L / x, "post": lambda x: math.sqrt(L * (v - L) / (x * (v - x)))}
+        if norm in law:
+            ax1.plot(s, [gap[L - 1] * law[norm](x) for x in s], ":", color="k", lw=1.5, zorder=6,
+                     label="theory: 1/s (pre), v/sqrt(s(v-s)) (post)" if norm == "post" else None)
+    ax1.set(xlabel="prefix length s", ylabel="logit gap: unseen minus seen", yscale="log",
+            title="the gap: Pre-Norm's falls like 1/s, Post-Norm's stays up")
+    ax2.set(xlabel="prefix length s", ylabel="TVD to the exact target", ylim=(0, 1),
+            title="the error beyond the training lengths")
+    ax2.annotate(f"s = {v - 1}: one token left\n(a sharp target)", xy=(v - 1, 0.05),
+                 xytext=(v - 9, 0.3), fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.8))
+    for ax in (ax1, ax2):
+        ax.set_xlim(0.5, v - 0.5)
+    fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
+    return fig
 
 
-def plot_compare_noise(rows, cfg, out):
+def plot_compare_dispersion(rows, cfg):
+    """compare_dispersion.png: attention entropy minus log s (0 = uniform attention: full
+    dispersion), per norm placement, EMA weights, mean and min-max band."""
+    fig, ax = new_figure()
+    s = list(range(1, cfg.vocab))
+    ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
+    ax.axhline(0, color="k", ls="--", lw=1, label="uniform attention")
+    for norm in NORMS:
+        runs = rows[(norm, "sampled", "constant", "ema")]
+        _band(ax, s, [[h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]
+                      for m in runs], norm, COLORS[norm], lw=1.5)
+    ax.set(xlabel="prefix length s", ylabel="attention entropy - log s (nats)",
+           title="every trained model attends uniformly", xlim=(0.5, cfg.vocab - 0.5))
+    ax.legend(fontsize=7, loc="lower left")
+    return fig
+
+
+def plot_compare_noise(rows, cfg):
     """compare_noise.png: post-norm TVD per targets/schedule, per weight average."""
-    fig, axes = _figure(2)
+    fig, axes = new_figure(2)
     groups = [(t, sch) for t in ("sampled", "exact") for sch in ("constant", "cosine")]
     width = 0.27
     for ax, key, title in zip(axes, ("tvd_train", "tvd_extrap"),
@@ -793,40 +1005,7 @@ def plot_compare_noise(rows, cfg, out):
         ax.set_xticks(range(len(groups)), [f"{t}\n{sch}" for t, sch in groups], fontsize=8)
         ax.set(ylabel="mean TVD", title=f"post-norm, {title}")
         ax.legend(fontsize=8)
-    _save(fig, os.path.join(out, "compare_noise.png"))
-
-
-def run_grid(runs, device):
-    """Train and evaluate every run: on every CPU core at once (one thread each), or one
-    at a time on a GPU, with a progress line per run. Returns (results, wall, workers)."""
-    workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
-    print(f"{len(runs)} training runs on {device}, {workers} at a time")
-    t0, done = time.time(), []
-    if workers > 1:
-        import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(workers)
-        results = pool.imap_unordered(_compare_one_thread, runs)
-    else:
-        pool, results = None, map(compare_one, runs)
-    try:
-        for cfg, result, seconds in results:
-            done.append((cfg, result, seconds))
-            s = {a: summarize(result[a], cfg.train_len)["tvd_extrap"] for a in AVERAGES}
-            print(f"[{len(done):2d}/{len(runs)}] {task_name(cfg):13s} {cfg.norm:13s} "
-                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD "
-                  f"raw {s['raw']:.3f} ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s "
-                  f"| ETA {eta(done, len(runs), workers):.0f}s", flush=True)
-    finally:
-        if pool:
-            pool.terminate()
-    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
-    return done, time.time() - t0, workers
-
-
-def eta(done, total, workers):
-    """Seconds left: the mean run time so far, times the runs left per worker."""
-    mean = sum(seconds for _, _, seconds in done) / len(done)
-    return mean * math.ceil((total - len(done)) / workers)
+    return fig
 
 
 def compare(base, out):
@@ -835,36 +1014,36 @@ def compare(base, out):
     rows = compare_rows(done)
     table = compare_table(rows, base.train_len, wall, len(done), workers)
     print("\n" + table)
-    write_text(f"Written by `python resharpen.py --compare` (v={base.vocab}, train lengths "
-               f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}"
-               f").\n\n{table}\n", os.path.join(out, "compare.md"))
-    write_json({"config": asdict(base), "wall_seconds": round(wall, 1),
-                "runs": [{"config": asdict(c), **r} for c, r, _ in done]},
-               os.path.join(out, "compare.json"))
-    plot_compare_norms(rows, base, out)
-    plot_compare_dispersion(rows, base, out)
-    plot_compare_noise(rows, base, out)
-    print(f"wrote {out}/compare.md, compare.json, compare_norms.png, compare_dispersion.png, "
-          f"compare_noise.png | {wall:.0f}s")
+    md = (f"Written by `python resharpen.py --compare` (v={base.vocab}, train lengths "
+          f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}"
+          f").\n\n{table}\n")
+    files = {"compare.md": md.encode("utf-8"),
+             "compare_norms.png": figure_bytes(plot_compare_norms(rows, base)),
+             "compare_dispersion.png": figure_bytes(plot_compare_dispersion(rows, base)),
+             "compare_noise.png": figure_bytes(plot_compare_noise(rows, base))}
+    record = {"config": asdict(base), "wall_seconds": round(wall, 1),
+              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    written = write_outputs(out, files, "compare.json", record)
+    print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
-# -----------------------------------------------------------------------------
-# the formal-language suite: do the remedies carry over? (README, "Formal languages")
+# ----------------------------------------------------------------------------- language suite
+# python resharpen.py --suite: do the remedies carry over? (README, "Formal languages")
 
 SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffle", brackets=2))
 # Counting and matching brackets need more than a bag of tokens: two layers (the second
-# reads what the first computed at every position), an MLP to threshold counts, and a
-# BOS token, whose share of uniform attention, 1 / (t + 1), tells the model how long
-# its prefix is (theory.md, section 8). Trained on lengths 1..16, tested to 64.
+# reads what the first computed at every position), an MLP to read counts, and a BOS
+# token, whose share of uniform attention, 1 / (t + 1), tells the model how long its
+# prefix is (theory.md, section 8). Trained on lengths 1..16, tested to 64.
 SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True,
                    dropout=0.0, steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant",
-                   targets="sampled", ema=0.0, bema=False)
+                   targets="sampled")
 
 
 def suite_grid(base, **overrides):
     """Every language x {pre, post} x 3 seeds, with SUITE_MODEL's settings."""
     seeds = [base.seed + i for i in range(COMPARE_SEEDS)]
-    settings = {**SUITE_MODEL, **overrides}
-    return [replace(base, **settings, **lang, norm=norm, seed=s)
+    settings = {**SUITE_MODEL, **overrides, "ema": 0.0, "bema": False}
+    return [language_config(base, **settings, **lang, norm=norm, seed=s)
             for lang in SUITE_LANGUAGES for norm in ("pre", "post") for s in seeds]
 
 
@@ -874,37 +1053,38 @@ def suite_table(done, wall, workers):
     out, L = [head, "|---" * 7 + "|"], done[0][0].train_len
     for lang in SUITE_LANGUAGES:
         for norm in ("pre", "post"):
-            runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
-            name = task_name(Config(**lang))
+            runs = [(c, r) for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
+            name = TASKS[runs[0][0].task](runs[0][0]).name
             for avg in ("raw", "ema"):
-                ms = [r[avg] for r in runs]
+                ms = [r[avg] for _, r in runs]
                 sums = [summarize(m, L) for m in ms]
                 inv = [sum(m["invalid_mass"][L:]) / len(m["invalid_mass"][L:]) for m in ms]
                 out.append(f"| {name} | `{norm}` | {AVERAGE_LABELS[avg]} | "
                            f"{mean_sd([s['tvd_train'] for s in sums])} | "
                            f"{mean_sd([s['tvd_extrap'] for s in sums])} | "
                            f"{mean_sd([s['tvd_last'] for s in sums])} | {mean_sd(inv)} |")
-    out += ["", f"Mean ± standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
+    out += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
             f"runs, {wall:.0f} s wall in {workers} worker process(es)."]
     return "\n".join(out)
 
 
-def plot_suite(done, out):
+def plot_suite(done):
     """suite.png: TVD against position per language, Pre-Norm and Post-Norm, raw and EMA."""
-    fig, axes = _figure(len(SUITE_LANGUAGES))
+    fig, axes = new_figure(len(SUITE_LANGUAGES))
     for ax, lang in zip(axes, SUITE_LANGUAGES):
         cfg = next(c for c, _, _ in done if c.task == lang["task"])
         ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-        for norm, color in (("pre", "tab:red"), ("post", "tab:blue")):
+        for norm in ("pre", "post"):
             runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
             xs = runs[0]["raw"]["length"]
             ax.plot(xs, [sum(c) / len(c) for c in zip(*[r["raw"]["tvd"] for r in runs])],
-                    "--", color=color, lw=1, label=f"{norm}, raw weights")
-            _band(ax, xs, [r["ema"]["tvd"] for r in runs], f"{norm}, EMA {COMPARE_EMA}", color)
+                    "--", color=COLORS[norm], lw=1, label=f"{norm}, raw weights")
+            _band(ax, xs, [r["ema"]["tvd"] for r in runs], f"{norm}, EMA {COMPARE_EMA}",
+                  COLORS[norm], zorder=3 + (norm == "post"))
         ax.set(xlabel="position", ylabel="TVD to the exact next-token distribution",
-               title=task_name(cfg), ylim=(0, None))
-        ax.legend(fontsize=7)
-    _save(fig, os.path.join(out, "suite.png"))
+               title=TASKS[cfg.task](cfg).name, ylim=(0, None))
+        ax.legend(fontsize=7, loc="upper left")
+    return fig
 
 
 def suite(base, out, **overrides):
@@ -913,73 +1093,25 @@ def suite(base, out, **overrides):
     table = suite_table(done, wall, workers)
     print("\n" + table)
     settings = ", ".join(f"{k} {v}" for k, v in {**SUITE_MODEL, **overrides}.items())
-    write_text(f"Written by `python resharpen.py --suite` ({settings}).\n\n{table}\n",
-               os.path.join(out, "suite.md"))
-    write_json({"wall_seconds": round(wall, 1),
-                "runs": [{"config": asdict(c), **r} for c, r, _ in done]},
-               os.path.join(out, "suite.json"))
-    plot_suite(done, out)
-    print(f"wrote {out}/suite.md, suite.json, suite.png | {wall:.0f}s")
+    md = f"Written by `python resharpen.py --suite` ({settings}).\n\n{table}\n"
+    files = {"suite.md": md.encode("utf-8"), "suite.png": figure_bytes(plot_suite(done))}
+    record = {"wall_seconds": round(wall, 1),
+              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    written = write_outputs(out, files, "suite.json", record)
+    print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
+# ----------------------------------------------------------------------------- theory
+# python resharpen.py --theory: Part 1's hand-built models against their formulas
 
-def _compare_one_thread(cfg):
-    return compare_one(cfg, threads=1)
-
-
-# -----------------------------------------------------------------------------
-# theory: the constructions of theory.md, built by hand in the script's own model
-
-HAND_BUILT_NORMS = ("pre", "post", "post-residual")
-
-
-def hand_built(vocab, norm, gamma=1.0):
-    """The construction of theory.md, sections 3 and 5, in the Transformer class that trains:
-    one layer, one head, n_embd = 2v, no MLP, and
-      W_Q = W_K = 0          every score is 0, so attention is uniform over the prefix
-      E[x] = e_(v+x)         token x sits in the second half of the features
-      W_V W_O                writes the centred one-hot e_x - 1/v into the first half
-      U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
-    The readout never sees the second half, so B = E U = 0: only the displacement acts."""
-    v, n = vocab, 2 * vocab
-    # float64 throughout, so that TVDs far below float32's 1e-7 are computed exactly
-    model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
-    attn = model.blocks[0].attn
-    eye = lambda k: torch.eye(k, dtype=torch.double)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        model.blocks[0].ln_1.weight.fill_(1.0)
-        model.wte.weight[:, v:] = eye(v)
-        attn.c_attn.weight[2 * n:3 * n][:v, v:] = eye(v) - 1.0 / v   # W_V
-        attn.c_proj.weight.copy_(eye(n))                              # W_O
-        model.lm_head.weight[:, :v] = -gamma * eye(v)
-    return model.eval()
-
-
-def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
-    """theory.md, sections 3 and 5: logit of an unseen token minus logit of a seen one, at
-    length s, for hand_built(vocab, norm, gamma). The attention average of the values is
-    h = 1_t / s - 1/v (1 on the seen tokens), whose seen-unseen difference is 1/s; each
-    LayerNorm divides it by the standard deviation of what that norm sees (eps: LN's)."""
-    n = 2 * vocab
-    var = {"pre": (n - 1) / n**2,                                  # one token: e_(v+x)
-           "post": (1 / s - 1 / vocab) / n,                        # only h: shrinks with s
-           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + h
-           }[norm]
-    return gamma / (s * math.sqrt(var + eps))
-
-
-def predicted_tvd(vocab, s, margin):
-    """theory.md, section 3: with balanced logits the TVD equals the invalid mass,
-    s e^-m / (s e^-m + v - s)."""
-    return s / (s + (vocab - s) * math.exp(margin))
+HAND_BUILT_NORMS = tuple(NORMS)
 
 
 def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
     """theory.md, section 2: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
     attention, no norm), with B = E U and D = E W_V W_O U of the given widths, to balanced
-    logits at lengths 1 and 2: -2 e_x for (x), -(e_x + e_y) for (x, y), each up to a
-    constant. Returns the root-mean-square residual of the fit (Adam, cosine decay)."""
+    logits at lengths 1 and 2 with m_1 = 2, m_2 = 1: -2 e_x for (x), -(e_x + e_y) for
+    (x, y), each up to a constant. Returns the root-mean-square residual (Adam, cosine
+    decay). It assumes the even split and m_1 = 2 m_2, so it cannot test Step 2 itself."""
     g = torch.Generator().manual_seed(seed)
     v, n, h = vocab, n_embd, head_dim
     init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()
@@ -1002,8 +1134,8 @@ def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
 
 
 def theory(vocab, train_len, out):
-    """python resharpen.py --theory: the hand-built models against their formulas, each
-    scaled so that its margin at the longest training length is 6; writes theory.png."""
+    """The hand-built models against their formulas, each scaled so that its margin at the
+    longest training length is 6; writes theory.png."""
     rows = {}
     for norm in HAND_BUILT_NORMS:
         gamma = 6.0 / predicted_margin(vocab, norm, train_len)
@@ -1012,8 +1144,8 @@ def theory(vocab, train_len, out):
         pred_tvd = [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)]
         rows[norm] = (m, pred_m, pred_tvd)
     print(f"hand-built models, v={vocab}, each scaled to margin 6 at s={train_len}; "
-          "'model' is evaluate() on the script's own Transformer, in float64\n(TVDs below "
-          "about 1e-15 are float64 rounding, not the model)")
+          "'model' is evaluate() on the script's own Transformer, in float64\n(a TVD below "
+          "about 1e-15 is float64 rounding, not the model)")
     for norm, (m, pred_m, pred_tvd) in rows.items():
         print(f"\n{norm}: {NORMS[norm]}\n{'s':>4} {'margin: formula':>16} {'model':>10} "
               f"{'TVD: formula':>14} {'model':>10}")
@@ -1021,27 +1153,38 @@ def theory(vocab, train_len, out):
             i = s - 1
             print(f"{s:>4} {pred_m[i]:16.5f} {m['logit_gap'][i]:10.5f} {pred_tvd[i]:14.3e} "
                   f"{m['tvd'][i]:10.3e}")
-    fig, (ax1, ax2) = _figure(2)
-    colors = {"pre": "tab:red", "post": "tab:blue", "post-residual": "tab:purple"}
+    fig, (ax1, ax2) = new_figure(2)
+    fig.set_size_inches(10.4, 4.4)
     for norm, (m, pred_m, pred_tvd) in rows.items():
-        c = colors[norm]
+        c = COLORS[norm]
         ax1.plot(m["length"], pred_m, color=c, lw=1.5, label=f"{norm}: formula")
         ax1.plot(m["length"], m["logit_gap"], "o", color=c, ms=3, label=f"{norm}: model")
-        ax2.semilogy(m["length"], pred_tvd, color=c, lw=1.5, label=f"{norm}: formula")
-        ax2.semilogy(m["length"], [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3,
-                     label=f"{norm}: model")
+        ax2.semilogy(m["length"], pred_tvd, color=c, lw=1.5)
+        ax2.semilogy(m["length"], [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3)
     for ax in (ax1, ax2):
         ax.axvspan(0.5, train_len + 0.5, color="0.9")
         ax.set_xlabel("prefix length s")
     ax1.set(ylabel="margin: unseen minus seen logit", title="hand-built margins (theory.md 3, 5)")
     ax2.set(ylabel="TVD (equal to the invalid mass)", title="hand-built TVD", ylim=(1e-9, 1.5))
-    ax1.legend(fontsize=7)
-    _save(fig, os.path.join(out, "theory.png"))
-    print(f"wrote {os.path.join(out, 'theory.png')}")
+    fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+    written = write_outputs(out, {"theory.png": figure_bytes(fig)})
+    print(f"\nwrote {', '.join(written)}")
+
+# ----------------------------------------------------------------------------- command line
+
+LIMITS = {"vocab": 1024, "train_len": 1024, "brackets": 16, "max_depth": 64, "n_layer": 16,
+          "n_head": 64, "n_embd": 2048, "batch_size": 8192, "steps": 10**7}
+LANGUAGE_TRAIN_LEN = 256          # a language is evaluated on 4 x train_len positions
+STEP_MEMORY = 8 * 2**30           # bytes a training step may need (step_memory's estimate)
+SEED_LIMIT = 2**32 - COMPARE_SEEDS   # seeds are 0 .. this; the grids use seed .. seed + 2
 
 
-# -----------------------------------------------------------------------------
-# command line
+def step_memory(cfg):
+    """A generous estimate, in bytes, of what one training step holds: activations, their
+    gradients and the attention weights, in float32."""
+    T = cfg.train_len + cfg.bos
+    per_layer = 4 * cfg.n_head * T + 16 * cfg.n_embd * (1 + 2 * cfg.mlp)
+    return 4 * cfg.batch_size * T * (cfg.n_layer * per_layer + 4 * cfg.vocab)
 
 
 class Parser(argparse.ArgumentParser):
@@ -1057,17 +1200,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def build_parser():
     d = Config()
-    p = Parser(prog="resharpen.py", formatter_class=HelpFormatter,
+    p = Parser(prog="resharpen.py", formatter_class=HelpFormatter, allow_abbrev=False,
                description="Train a tiny transformer on short inputs of the Set Complement "
                            "task (or a formal language),\nevaluate it at every length, print "
                            "a table, write figures and metrics.json.",
                epilog="where the LayerNorm sits (--norm):\n" +
-               "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
+               "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()) +
+               "\n\nsizes accepted: " + ", ".join(f"--{k.replace('_', '-')} <= {v}"
+                                                  for k, v in LIMITS.items()) +
+               f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language, and one training "
+               f"step may need at most {STEP_MEMORY // 2**30} GiB")
     a = p.add_argument
     a("--task", choices=["complement", "dyck", "shuffle"], default=d.task,
       help="Set Complement, or a formal language: Dyck-(k, D) or Shuffle-k")
-    a("--vocab", type=int, default=d.vocab, help="vocabulary size v (at least 3; Set Complement)")
-    a("--train-len", type=int, default=d.train_len, help="train on prefix lengths 1 .. this")
+    a("--vocab", type=int, default=d.vocab,
+      help="vocabulary size v, 3 or more (Set Complement; a language has 2k + 1)")
+    a("--train-len", type=int, default=d.train_len,
+      help="train on prefix lengths 1 .. this (at most v - 1)")
     a("--brackets", type=int, default=d.brackets, help="k bracket pairs (dyck, shuffle)")
     a("--max-depth", type=int, default=d.max_depth, help="D, the deepest nesting (dyck)")
     a("--targets", choices=["sampled", "exact"], default=d.targets,
@@ -1080,128 +1229,166 @@ def build_parser():
     a("--n-embd", type=int, default=d.n_embd, help="width of the residual stream")
     a("--mlp", action="store_true", help="add an MLP to each block (off: attention only)")
     a("--bos", action="store_true", help="prepend a beginning-of-sequence token to every input")
-    a("--dropout", type=float, default=d.dropout, help="dropout probability")
+    a("--dropout", type=float, default=d.dropout,
+      help="dropout probability, on the attention weights and on each block's outputs")
     a("--steps", type=int, default=d.steps, help="optimizer steps")
-    a("--batch-size", type=int, default=d.batch_size, help="permutations per step")
+    a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     a("--lr", type=float, default=d.lr, help="AdamW learning rate")
     a("--lr-schedule", choices=["constant", "cosine"], default=d.lr_schedule,
       help="constant, or a cosine decay to zero over --steps")
     a("--ema", type=float, default=d.ema, help="EMA decay of the weights, in [0, 1); 0 = off")
     a("--bema", action="store_true",
       help="average with BEMA (bias-corrected EMA, kappa 0.5, eta 0.2, rho 10) instead")
-    a("--seed", type=int, default=d.seed, help="seed of the initialization and training data")
+    a("--seed", type=int, default=d.seed,
+      help=f"seed of the initialization and training data, 0 .. {SEED_LIMIT}")
     a("--device", choices=["auto", "cpu", "cuda", "mps"], default=d.device,
       help="auto: cuda, then mps, then cpu")
-    a("--out", default="plots", help="folder for the figures and metrics.json")
+    a("--out", default="plots", help="folder for the figures and the JSON record")
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
     mode = p.add_mutually_exclusive_group()   # instead of one training run:
     a = mode.add_argument
     a("--theory", action="store_true",
-      help="build theory.md's models by hand, compare them with the formulas, write theory.png")
+      help="build theory.md's models by hand, compare them with the formulas, write "
+           "theory.png (uses only --vocab, --train-len, --out)")
     a("--suite", action="store_true",
       help="run the formal-language suite (Dyck-(2, 4), Shuffle-2; pre and post norm; "
-           f"{COMPARE_SEEDS} seeds from --seed) with its own model settings (SUITE_MODEL), "
-           "and write suite.md and suite.png")
+           f"{COMPARE_SEEDS} seeds from --seed) with SUITE_MODEL's settings (flags given "
+           "for them override them), and write suite.md and suite.png")
     a("--compare", action="store_true",
       help="run the comparison grid instead (norms x averaging x targets x schedule, "
            f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
     return p
 
 
-def check_args(args, parser):
-    """Reject bad input up front, before any training time is spent."""
+def given_flags(parser, argv):
+    """The destinations of the flags that argv names (as opposed to defaults)."""
+    return {action.dest for action in parser._actions for tok in argv
+            for opt in action.option_strings if tok == opt or tok.startswith(opt + "=")}
+
+
+def writable_folder(path):
+    """Could a file be written in this folder, creating the folder if it is missing?"""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def check_args(args, parser, given):
+    """Reject bad input up front, before any training time is spent: everything accepted
+    here runs to the end."""
     bad = parser.error
-    if args.vocab < 3:
-        bad(f"--vocab must be at least 3, got {args.vocab}")
-    if (args.compare or args.theory) and args.task != "complement":
+    flags = lambda dests: ", ".join(sorted(f"--{d.replace('_', '-')}" for d in dests))
+    language = args.task != "complement"
+    if args.save is not None and (args.theory or args.compare or args.suite):
+        bad("--save: --theory, --compare and --suite write no checkpoint")
+    if args.theory and given - {"theory", "vocab", "train_len", "out"}:
+        bad(f"{flags(given - {'theory', 'vocab', 'train_len', 'out'})}: --theory uses only "
+            "--vocab, --train-len and --out")
+    if args.compare and given & {"norm", "targets", "lr_schedule", "ema", "bema"}:
+        bad(f"{flags(given & {'norm', 'targets', 'lr_schedule', 'ema', 'bema'})}: --compare "
+            "runs every norm, target, schedule and average itself")
+    if args.suite and given - set(SUITE_MODEL) - {"suite", "seed", "device", "out"}:
+        bad(f"{flags(given - set(SUITE_MODEL) - {'suite', 'seed', 'device', 'out'})}: --suite "
+            "sets it itself (it accepts --seed, --device, --out and SUITE_MODEL's flags)")
+    if (args.compare or args.theory) and language:
         bad(f"--task {args.task}: --compare and --theory use the Set Complement task only")
-    if args.task == "complement" and not 1 <= args.train_len <= args.vocab - 1:
-        bad(f"--train-len must be in 1 .. vocab-1 = {args.vocab - 1}, got {args.train_len}")
+    if language and "vocab" in given:
+        bad("--vocab: a language's vocabulary is 2 x --brackets + 1; leave --vocab out")
+    if not language and given & {"brackets", "max_depth"}:
+        bad(f"{flags(given & {'brackets', 'max_depth'})}: only for --task dyck or shuffle")
+    if args.task == "shuffle" and "max_depth" in given:
+        bad("--max-depth: only for --task dyck")
+    for name, top in LIMITS.items():
+        if not 1 <= getattr(args, name) <= top:
+            bad(f"--{name.replace('_', '-')} must be an integer in 1 .. {top}, "
+                f"got {getattr(args, name)}")
+    if not language and args.vocab < 3:
+        bad(f"--vocab must be at least 3, got {args.vocab}")
+    top = args.vocab - 1 if not language else LANGUAGE_TRAIN_LEN
+    if not args.suite and args.train_len > top:
+        bad(f"--train-len must be in 1 .. {top}" + (" (vocab - 1)" if not language else "") +
+            f", got {args.train_len}")
+    if args.compare and args.train_len > args.vocab - 2:
+        bad(f"--train-len: --compare needs lengths beyond training, so at most vocab - 2 = "
+            f"{args.vocab - 2}; got {args.train_len}")
     if not 0 <= args.ema < 1:
         bad(f"--ema must be in [0, 1), got {args.ema}")
     if not 0 <= args.dropout < 1:
         bad(f"--dropout must be in [0, 1), got {args.dropout}")
-    for flag in ("steps", "batch_size", "n_layer", "n_head", "n_embd", "train_len", "brackets",
-                 "max_depth"):
-        if getattr(args, flag) < 1:
-            bad(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         bad(f"--lr must be a positive number, got {args.lr}")
+    if not 0 <= args.seed <= SEED_LIMIT:
+        bad(f"--seed must be in 0 .. {SEED_LIMIT}, got {args.seed}")
     if args.n_embd % args.n_head:
         bad(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
+    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
+    if step_memory(cfg) > STEP_MEMORY:
+        bad(f"--batch-size {args.batch_size}: one training step would need about "
+            f"{step_memory(cfg) / 2**30:.0f} GiB (limit {STEP_MEMORY // 2**30}); use a smaller "
+            "--batch-size, --train-len, --n-embd, --n-head or --n-layer")
     present = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if not present.get(args.device, True):
         allowed = ", ".join(["auto", "cpu"] + [d for d, ok in present.items() if ok])
         bad(f"--device {args.device}: no {args.device.upper()} device here; allowed: {allowed}")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.out).close()
-    except OSError as e:
-        bad(f"--out {args.out}: cannot write there ({e.strerror})")
-    if args.save:
-        folder = os.path.dirname(os.path.abspath(args.save))
-        if os.path.isdir(args.save) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            bad(f"--save {args.save}: cannot write a file there")
+    if not writable_folder(args.out):
+        bad(f"--out {args.out}: cannot write a folder there")
+    if args.save is not None:
+        save, folder = args.save, os.path.dirname(os.path.abspath(args.save))
+        if not save or save.endswith(("/", os.sep)) or os.path.isdir(save):
+            bad(f"--save {save!r}: give a file name, such as runs/model.pt")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            bad(f"--save {save}: its folder {folder} does not exist or cannot be written")
+        outputs = {os.path.realpath(os.path.join(args.out, f))
+                   for f in ("metrics.json", "length.png", "loss.png")}
+        if os.path.realpath(save) in outputs:
+            bad(f"--save {save}: that is one of the run's own outputs in --out {args.out}")
 
 
-def run_one(cfg, out, save=None):
-    """The default command: train, evaluate, print the table, write metrics and figures."""
-    print(f"{task_name(cfg)}: v={cfg.vocab}, train lengths 1..{cfg.train_len}, "
-          f"norm={cfg.norm} [{NORMS[cfg.norm]}], averaging={average_name(cfg)}, "
-          f"targets={cfg.targets}, lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, "
-          f"device={pick_device(cfg.device)}")
-    t0 = time.time()
-    model, averagers, losses = train(cfg)
-    train_time = time.time() - t0
-    raw = evaluate(model)
-    if averagers:
-        metrics = evaluate(averaged_copy(model, averagers[0]))
-    else:
-        metrics, raw = raw, None
-    print(f"\nevaluated on {EVAL_PERMS} fixed permutations" +
-          (f" with the {average_name(cfg)} weights (raw weights in the last column)"
-           if raw else ""))
-    print(format_table(metrics, cfg.train_len, raw))
-    summary = summarize(metrics, cfg.train_len)
-    line = (f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation "
-            f"{cfg.train_len + 1}..{len(metrics['length'])} {summary['tvd_extrap']:.4f}")
-    if raw:
-        r = summarize(raw, cfg.train_len)
-        line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"
-    print(line)
-
-    result = {"config": asdict(cfg), **metrics, "summary": summary,
-              "train_seconds": round(train_time, 2)}
-    if raw:
-        result["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
-    write_json(result, os.path.join(out, "metrics.json"))
-    plot_length(metrics, cfg, out, raw)
-    plot_attention(metrics, cfg, out)
-    plot_loss(losses, cfg, out)
-    written = [os.path.join(out, f) for f in ("metrics.json", "length.png", "attention.png",
-                                              "loss.png")]
-    if save:
-        save_checkpoint(save, model, averagers[0] if averagers else None, cfg)
-        written.append(save)
-    print(f"wrote {', '.join(written)} | {time.time() - t0:.1f}s")
+def stop(message, code):
+    print(f"resharpen.py: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen; a bad value fails late
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_args(args, parser)
+    given = given_flags(parser, argv)
+    check_args(args, parser, given)
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
+    cfg = language_config(cfg) if cfg.task != "complement" else cfg
+    oom = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
+    try:
+        import matplotlib.backends.backend_agg  # noqa: F401  (fail now, not after training)
+    except ImportError:
+        stop("matplotlib is missing: pip install -r requirements.txt", 2)
     try:
         if args.theory:
             theory(cfg.vocab, cfg.train_len, args.out)
         elif args.compare:
             compare(cfg, args.out)
         elif args.suite:
-            suite(cfg, args.out)
+            suite(cfg, args.out, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
         else:
             run_one(cfg, args.out, args.save)
-    except NonFiniteLoss as e:
-        print(f"resharpen.py: stopped: {e}. Nothing was written.", file=sys.stderr)
+    except FloatingPointError as e:
+        stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
+    except WriteError as e:
+        stop(str(e), 1)
+    except KeyboardInterrupt:
+        stop("interrupted (Ctrl-C); nothing was written", 130)
+    except oom:
+        stop("out of memory; try a smaller --batch-size, --vocab or --n-embd. Nothing was "
+             "written.", 1)
+    except RuntimeError as e:
+        if "alloc" not in str(e).lower() and "out of memory" not in str(e).lower():
+            raise
+        stop(f"out of memory ({str(e).splitlines()[0][:80]}); try a smaller --batch-size, "
+             "--vocab or --n-embd. Nothing was written.", 1)
+    except BrokenPipeError:   # the output was piped into a program that stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
 
 

@@ -31,7 +31,8 @@ def randomize(model, seed=0):
 
 def test_batches_are_prefixes_of_permutations_and_next_token_is_unseen():
     cfg = tiny(batch_size=200)
-    x, y = R.get_batch(cfg, torch.Generator().manual_seed(0))
+    seq = R.SetComplement(cfg).sample(200, cfg.train_len + 1, torch.Generator().manual_seed(0))
+    x, y = seq[:, :-1], seq[:, 1:]      # as train() cuts them
     assert x.shape == y.shape == (200, cfg.train_len)
     for row_x, row_y in zip(x.tolist(), y.tolist()):
         seq = row_x + row_y[-1:]
@@ -44,7 +45,7 @@ def test_batches_are_prefixes_of_permutations_and_next_token_is_unseen():
 def test_next_token_is_uniform_over_unseen_tokens():
     # The first next token after prefix (a,) should be each of the v-1 others equally often.
     v, n = 5, 40000
-    perm = R.sample_permutations(n, v, torch.Generator().manual_seed(1))
+    perm = R.SetComplement(R.Config(vocab=v)).sample(n, v, torch.Generator().manual_seed(1))
     pairs = torch.bincount(perm[:, 0] * v + perm[:, 1], minlength=v * v).view(v, v).float()
     expected = n / (v * (v - 1))
     off_diag = pairs[~torch.eye(v, dtype=torch.bool)]
@@ -54,8 +55,9 @@ def test_next_token_is_uniform_over_unseen_tokens():
 
 def test_exact_target_matches_a_loop_over_tokens():
     v = 6
-    idx = R.sample_permutations(10, v, torch.Generator().manual_seed(2))[:, : v - 1]
-    p = R.exact_target(idx, v)
+    task = R.SetComplement(R.Config(vocab=v))
+    idx = task.sample(10, v - 1, torch.Generator().manual_seed(2))
+    p = task.target(idx)
     for b in range(idx.shape[0]):
         for t in range(v - 1):
             seen = set(idx[b, : t + 1].tolist())
@@ -177,7 +179,7 @@ class Oracle(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, idx, return_attn=False):
-        logits = R.exact_target(idx, self.cfg.vocab).clamp_min(1e-30).log().clamp_min(-1e9)
+        logits = R.SetComplement(self.cfg).target(idx).clamp_min(1e-30).log().clamp_min(-1e9)
         T = idx.shape[1]
         att = torch.ones(T, T).tril()
         att = (att / att.sum(-1, keepdim=True)).expand(idx.shape[0], 1, T, T)
@@ -213,7 +215,7 @@ def test_a_few_hundred_steps_lower_the_loss(targets):
                    targets=targets, norm="post", device="cpu")
     _, _, losses = R.train(cfg, log=lambda *a: None)
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
-    assert last < first - 0.1 and last > R.loss_floor(cfg) - 0.05
+    assert last < first - 0.1 and last > R.SetComplement(cfg).loss_floor() - 0.05
 
 
 def test_same_seed_gives_same_numbers():
@@ -226,14 +228,13 @@ def test_save_and_load_give_identical_logits(tmp_path):
     model, (ema,), _ = R.train(cfg, log=lambda *a: None)
     path = str(tmp_path / "ckpt.pt")
     R.save_checkpoint(path, model, ema, cfg)
-    idx = R.sample_permutations(3, 8)[:, :7]
+    idx = R.SetComplement(cfg).sample(3, 7)
     raw = R.load_checkpoint(path, raw=True)
     assert not raw.training
     R.evaluate(raw, n_perm=5)
     assert not raw.training          # evaluate() restores the mode it found
     assert torch.equal(raw(idx), model.eval()(idx))
-    ema.copy_to(model)
-    assert torch.equal(R.load_checkpoint(path)(idx), model(idx))
+    assert torch.equal(R.load_checkpoint(path)(idx), R.averaged_copy(model, ema)(idx))
     assert os.listdir(tmp_path) == ["ckpt.pt"]   # no temporary file left behind
 
 # ----------------------------------------------------------------------------- command line
@@ -245,7 +246,7 @@ def test_main_writes_metrics_figures_and_checkpoint(tmp_path, capsys):
             "--n-embd", "8", "--post-norm", "--ema", "0.9", "--out", str(out),
             "--save", str(tmp_path / "m.pt"), "--device", "cpu"])
     files = sorted(os.listdir(out))
-    assert files == ["attention.png", "length.png", "loss.png", "metrics.json"]
+    assert files == ["length.png", "loss.png", "metrics.json"]
     import json
     m = json.loads((out / "metrics.json").read_text())
     assert m["length"] == list(range(1, 8)) and m["config"]["norm"] == "post"
@@ -305,7 +306,7 @@ def test_nan_loss_stops_and_writes_nothing(capsys, tmp_path):
                 "--save", str(tmp_path / "m.pt"), "--device", "cpu"])
     assert e.value.code == 1
     assert "at step" in capsys.readouterr().err
-    assert os.listdir(out) == [] and not (tmp_path / "m.pt").exists()
+    assert not out.exists() and not (tmp_path / "m.pt").exists()
 
 
 def test_ema_off_is_exactly_the_raw_weights_of_an_ema_run():
@@ -363,9 +364,10 @@ def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
 def test_hand_built_models_match_the_formulas(vocab, norm):
     gamma = 1.7
     model = R.hand_built(vocab, norm, gamma)
-    perm = R.sample_permutations(8, vocab, torch.Generator().manual_seed(3))[:, : vocab - 1]
+    task = R.SetComplement(R.Config(vocab=vocab))
+    perm = task.sample(8, vocab - 1, torch.Generator().manual_seed(3))
     logits = model(perm)
-    seen = R.exact_target(perm, vocab) == 0
+    seen = task.target(perm) == 0
     for s in range(1, vocab):
         row, mask = logits[:, s - 1], seen[:, s - 1]
         lo, hi = row[mask].view(8, s), row[~mask].view(8, vocab - s)
@@ -521,7 +523,9 @@ def legal_prefix(seq, task, k, D):
 
 
 def dyck_probability(seq, k, D):
-    """The automaton's probability of the token sequence, rule by rule (PAPER.md)."""
+    """The automaton's probability of the token sequence, rule by rule (Hewitt et al. 2020:
+    empty stack: each open 1/(2k), END 1/2; full: the matching close; else each open
+    1/(2k), the matching close 1/2)."""
     stack, prob = [], 1.0
     for tok in seq:
         if not stack:
@@ -546,17 +550,17 @@ LANGUAGES = [dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brack
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
 def test_language_samplers_emit_only_legal_streams(lang):
-    cfg = R.Config(**lang)
-    seqs = R.sample_language(cfg, 300, 40, torch.Generator().manual_seed(0))
+    cfg = R.language_config(**lang)
+    seqs = R.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0))
     for seq in seqs.tolist():
         assert legal_prefix(seq, cfg.task, cfg.brackets, cfg.max_depth)
 
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
 def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
-    cfg = R.Config(**lang)
-    seqs = R.sample_language(cfg, 40, 25, torch.Generator().manual_seed(1))
-    p = R.target(seqs, cfg, torch.double)
+    cfg = R.language_config(**lang)
+    seqs = R.Language(cfg).sample(40, 25, torch.Generator().manual_seed(1))
+    p = R.Language(cfg).target(seqs, torch.double)
     assert torch.allclose(p.sum(-1), torch.ones(40, 25, dtype=torch.double))
     for b, seq in enumerate(seqs.tolist()):
         for t in range(25):
@@ -571,7 +575,7 @@ def test_language_targets_equal_brute_force_over_all_short_streams(lang):
     # automaton (Dyck) or counted (Shuffle: uniform over legal next tokens, so a stream's
     # weight is the product of 1 / (number of legal next tokens)).
     import itertools
-    cfg = R.Config(**lang)
+    cfg = R.language_config(**lang)
     k, D, v, n = cfg.brackets, cfg.max_depth, cfg.vocab, 6
 
     def weight(seq):
@@ -592,7 +596,7 @@ def test_language_targets_equal_brute_force_over_all_short_streams(lang):
         for t in range(1, n + 1):
             prefix_mass[s[:t]] = prefix_mass.get(s[:t], 0.0) + w
     idx = torch.tensor(list(streams))
-    p = R.target(idx[:, : n - 1], cfg, torch.double)
+    p = R.Language(cfg).target(idx[:, : n - 1], torch.double)
     for b, s in enumerate(streams):
         for t in range(1, n):
             brute = [prefix_mass.get(s[:t] + (a,), 0.0) / prefix_mass[s[:t]] for a in range(v)]
