@@ -387,10 +387,9 @@ def plot_length(metrics, cfg, raw=None, average="EMA"):
         if raw:
             ax.plot(s, get(raw), color="tab:gray", lw=1.2, label="raw weights")
         ax.plot(s, get(metrics), color="tab:blue", lw=2, label=average if raw else "model")
-        ax.set(xlabel="prefix length s", title=title, xlim=(0.5, s[-1] + 0.5))
+        low = min(-0.1, *get(metrics), *(get(raw) if raw else [])) if key == "attn" else 0
+        ax.set(xlabel="prefix length s", title=title, xlim=(0.5, s[-1] + 0.5), ylim=(low, None))
         ax.legend(fontsize=8)
-    axes[0].set_ylim(0, None)
-    axes[1].set_ylim(0, None)
     fig.suptitle(f"norm={cfg.norm}, targets={cfg.targets}, seed={cfg.seed}", fontsize=10)
     return fig
 
@@ -1387,10 +1386,12 @@ def main(argv=None):
             raise
         stop(f"out of memory ({str(e).splitlines()[0][:80]}); try a smaller --batch-size, "
              "--vocab or --n-embd. Nothing was written.", 1)
-    except BrokenPipeError:   # the output was piped into a program that stopped reading
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        sys.stdout.flush()
+    except BrokenPipeError:   # the output was piped into a program that stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -612,6 +612,8 @@ def test_suite_and_comparison_run_end_to_end(tmp_path, monkeypatch, capsys):
             "compare_noise.png", "suite.md", "suite.json", "suite.png"} <= set(os.listdir(tmp_path))
     text = (tmp_path / "suite.md").read_text()
     assert "Dyck-(2, 4)" in text and "Shuffle-2" in text
+    assert text.isascii() and (tmp_path / "compare.md").read_text().isascii()
+    assert capsys.readouterr().out.isascii()
 
 
 def test_a_norm_on_a_bos_average_recovers_the_depth_at_any_length():
@@ -628,3 +630,188 @@ def test_a_norm_on_a_bos_average_recovers_the_depth_at_any_length():
         assert not torch.allclose(short, long)
         assert torch.allclose(ln(short), ln(long), atol=1e-12)
     assert not torch.allclose(ln(attn_average(1, 0)), ln(attn_average(2, 0)))
+
+# ----------------------------------------------------------------------------- reliability
+# Every input check_args accepts runs to the end; what fails after training fails with one
+# line and leaves the folder either untouched or complete.
+
+SMALL = ["--steps", "2", "--batch-size", "4", "--n-embd", "8", "--device", "cpu"]
+
+
+def test_training_on_every_length_runs_to_the_end(tmp_path, capsys):
+    # train_len = v - 1 leaves no length to extrapolate to: the summary says so.
+    import json
+    R.main(["--vocab", "3", "--train-len", "2", "--out", str(tmp_path)] + SMALL)
+    assert "extrapolation none" in capsys.readouterr().out
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["summary"]["tvd_extrap"] is None and len(m["tvd"]) == 2
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--compare", "--vocab", "8", "--train-len", "7"], "--train-len"),
+    (["--save", "SAVE/sub/"], "--save"),
+    (["--save", ""], "--save"),
+    (["--save", "OUT/metrics.json"], "--save"),
+    (["--save", "SAVE/m.pt", "--theory"], "--save"),
+    (["--save", "SAVE/m.pt", "--compare"], "--save"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--vocab", "2000"], "--vocab"),
+    (["--n-layer", "100000"], "--n-layer"),
+    (["--n-embd", "100000"], "--n-embd"),
+    (["--batch-size", "10000000"], "--batch-size"),
+    (["--vocab", "1024", "--train-len", "1023"], "--batch-size"),   # 8 GiB per step
+    (["--task", "dyck", "--brackets", "100000"], "--brackets"),
+    (["--task", "dyck", "--train-len", "1000"], "--train-len"),
+    (["--task", "dyck", "--vocab", "9"], "--vocab"),
+    (["--brackets", "3"], "--brackets"),
+    (["--task", "shuffle", "--max-depth", "3"], "--max-depth"),
+    (["--theory", "--steps", "5"], "--steps"),
+    (["--compare", "--post-norm"], "--norm"),
+    (["--suite", "--vocab", "9"], "--vocab"),
+    (["--ste", "5"], "--ste"),                   # no abbreviations: one spelling per flag
+])
+def test_inputs_that_cannot_run_to_the_end_exit_2_before_training(argv, flag, capsys, tmp_path):
+    out = tmp_path / "new"
+    argv = [a.replace("SAVE", str(tmp_path)).replace("OUT", str(out)) for a in argv]
+    expect_exit_2(argv + ["--out", str(out)], flag, capsys)
+    assert not out.exists()                      # a rejected run creates nothing
+
+
+def test_suite_honours_the_model_flags_it_is_given(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(R, "suite", lambda cfg, out, **kw: seen.update(kw))
+    R.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
+    assert seen == {"steps": 5, "lr": 0.01}
+    cfgs = R.suite_grid(R.Config(), **seen)
+    assert {(c.steps, c.lr, c.vocab) for c in cfgs} == {(5, 0.01, 5)}
+
+
+def test_a_huge_learning_rate_stops_with_exit_1_and_writes_nothing(capsys, tmp_path):
+    # One step: the loss before it is finite, the weights after it are not.
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        R.main(["--lr", "1e30", "--steps", "1", "--out", str(out),
+                "--save", str(tmp_path / "m.pt")] + SMALL[2:])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Nothing was written" in err
+    assert not out.exists() and not (tmp_path / "m.pt").exists()
+
+
+def test_files_are_strict_json_with_their_hashes_and_the_usual_mode(tmp_path):
+    import hashlib
+    import json
+    out = tmp_path / "out"
+    R.main(["--ema", "0.9", "--out", str(out), "--save", str(tmp_path / "m.pt")] + SMALL)
+    bad = lambda x: pytest.fail(f"non-strict JSON constant {x}")
+    m = json.loads((out / "metrics.json").read_text(), parse_constant=bad)
+    for name, digest in m["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    assert m["checkpoint"]["sha256"] == hashlib.sha256((tmp_path / "m.pt").read_bytes()).hexdigest()
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [tmp_path / "m.pt", *out.iterdir()]:
+        assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask, path
+    assert sorted(os.listdir(out)) == ["length.png", "loss.png", "metrics.json"]
+
+
+def test_a_failed_write_names_what_was_written_and_leaves_no_record(monkeypatch, capsys,
+                                                                    tmp_path):
+    real = R.write_bytes
+
+    def full_disk(path, data):
+        if path.endswith("loss.png"):
+            raise OSError(28, "No space left on device")
+        real(path, data)
+    monkeypatch.setattr(R, "write_bytes", full_disk)
+    with pytest.raises(SystemExit) as e:
+        R.main(["--out", str(tmp_path)] + SMALL)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and len(err.splitlines()) == 1
+    assert "No space left" in err and "written: length.png" in err
+    assert sorted(os.listdir(tmp_path)) == ["length.png"]   # no metrics.json, no temp file
+
+
+def test_ctrl_c_during_training_exits_130_with_one_line(monkeypatch, capsys, tmp_path):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(R, "train", interrupted)
+    with pytest.raises(SystemExit) as e:
+        R.main(["--out", str(tmp_path / "out")] + SMALL)
+    assert e.value.code == 130
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def _writer(out, tag, rounds):
+    """One of two processes writing the same folder: every round, distinct contents."""
+    for i in range(rounds):
+        files = {name: f"{tag} {i} {name}".encode() * 2000 for name in ("a.png", "b.png")}
+        R.write_outputs(out, files, "record.json", {"tag": tag, "round": i})
+
+
+def test_two_processes_writing_one_folder_leave_whole_files_from_one_run(tmp_path):
+    import hashlib
+    import json
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), tag, 60)) for tag in "AB"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    record = json.loads((tmp_path / "record.json").read_text())
+    for name, digest in record["files"].items():   # every file is the record's run's
+        data = (tmp_path / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == digest
+        assert data.startswith(f"{record['tag']} {record['round']} ".encode())
+    assert sorted(os.listdir(tmp_path)) == ["a.png", "b.png", "record.json"]
+
+
+def test_evaluation_in_chunks_equals_one_pass(monkeypatch):
+    model = randomize(R.Transformer(tiny(vocab=9, n_layer=2, bos=True))).double()
+    whole = R.evaluate(model, n_perm=30)
+    monkeypatch.setattr(R, "EVAL_CHUNK", 1)          # one input at a time
+    chunked = R.evaluate(model, n_perm=30)
+    for key in whole:
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-9, abs=1e-12)
+
+
+def test_bos_changes_the_uniform_entropy_to_log_s_plus_1():
+    m = R.evaluate(R.hand_built(6, "post"), n_perm=3)
+    assert m["log_positions"] == pytest.approx([math.log(s) for s in range(1, 6)])
+    model = R.Transformer(R.Config(vocab=6, n_embd=8, bos=True))
+    m = R.evaluate(model, n_perm=3)
+    assert m["log_positions"] == pytest.approx([math.log(s + 1) for s in range(1, 6)])
+    assert "log(s+1)" in R.format_table(m, 2)
+
+
+def test_the_first_progress_line_comes_early():
+    lines = []
+    R.train(R.Config(vocab=6, train_len=3, n_embd=8, steps=160, batch_size=2, device="cpu"),
+            log=lines.append)
+    assert lines[0].startswith("step    10/160") and len(lines) == 9   # at 10, then every 20
+
+
+def test_loading_a_broken_checkpoint_says_what_it_is(tmp_path):
+    path = tmp_path / "empty.pt"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a resharpen.py checkpoint"):
+        R.load_checkpoint(str(path))
+
+
+def test_bad_backend_ascii_console_and_closed_pipe_do_not_crash(tmp_path):
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "resharpen.py")
+    env = {**os.environ, "MPLBACKEND": "no_such_backend", "PYTHONIOENCODING": "ascii"}
+    run = subprocess.run([sys.executable, script, "--out", str(tmp_path)] + SMALL, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "metrics.json").exists()
+    # A reader that closed its end before anything was written: exit 1, no traceback.
+    proc = subprocess.Popen([sys.executable, script, "--out", str(tmp_path)] + SMALL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 1 and proc.stderr.read() == b""
