@@ -43,9 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# =============================================================================================
-# Part 1: the paper on the Set Complement task
-# =============================================================================================
+# ============================================================= Part 1: the paper on Set Complement
 # ------------------------------------------------------------------ configuration: every default
 
 
@@ -358,10 +356,9 @@ def evaluate(model, n_perm=EVAL_PERMS):
                           (tvd, invalid, kl, gap, ent)):
             total[key] = total.get(key, 0) + m.sum(0)         # summed over the rows
     model.train(was_training)
-    metrics = {"length": list(range(1, T + 1))}
-    metrics.update({key: [float(x) / N for x in m] for key, m in total.items()})
-    metrics["log_positions"] = [math.log(s + cfg.bos) for s in metrics["length"]]
-    return metrics
+    lengths = list(range(1, T + 1))
+    return {"length": lengths, **{key: [float(x) / N for x in m] for key, m in total.items()},
+            "log_positions": [math.log(s + cfg.bos) for s in lengths]}
 
 
 # ------------------------------- the main command's figures (matplotlib's object API: no screen)
@@ -445,9 +442,7 @@ def predicted_tvd(vocab, s, margin):
     return s / (s + (vocab - s) * math.exp(margin))
 
 
-# =============================================================================================
-# Part 2: what reproduces the experiments (skip it on a first reading)
-# =============================================================================================
+# ======================================= Part 2: what reproduces the experiments (skip at first)
 # ----------------------------------------------------------------------------- BEMA
 
 
@@ -961,8 +956,9 @@ def plot_compare_norms(rows, cfg):
             title="the gap: Pre-Norm's falls like 1/s, Post-Norm's stays up")
     ax2.set(xlabel="prefix length s", ylabel="TVD to the exact target", ylim=(0, 1),
             title="the error beyond the training lengths")
-    ax2.annotate(f"s = {v - 1}: one token left\n(a sharp target)", xy=(v - 1, 0.05),
-                 xytext=(v - 9, 0.3), fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.8))
+    ax2.annotate(f"s = {v - 1}: one unseen token left,\nand Post-Norm's gap rises again",
+                 xy=(v - 1, 0.03), xytext=(v - 14, 0.3), fontsize=8,
+                 arrowprops=dict(arrowstyle="->", lw=0.8))
     for ax in (ax1, ax2):
         ax.set_xlim(0.5, v - 0.5)
     fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
@@ -981,8 +977,8 @@ def plot_compare_dispersion(rows, cfg):
         _band(ax, s, [[h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]
                       for m in runs], norm, COLORS[norm], lw=1.5)
     ax.set(xlabel="prefix length s", ylabel="attention entropy - log s (nats)",
-           title="every trained model attends uniformly", xlim=(0.5, cfg.vocab - 0.5))
-    ax.legend(fontsize=7, loc="lower left")
+           title="distance from uniform attention (0 = uniform)", xlim=(0.5, cfg.vocab - 0.5))
+    ax.legend(fontsize=7, loc="lower right")
     return fig
 
 
@@ -1205,10 +1201,12 @@ def build_parser():
                            "a table, write figures and metrics.json.",
                epilog="where the LayerNorm sits (--norm):\n" +
                "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()) +
-               "\n\nsizes accepted: " + ", ".join(f"--{k.replace('_', '-')} <= {v}"
-                                                  for k, v in LIMITS.items()) +
-               f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language, and one training "
-               f"step may need at most {STEP_MEMORY // 2**30} GiB")
+               "\n\nsizes accepted (larger ones are refused before training):\n  " +
+               ", ".join(f"--{k.replace('_', '-')} <= {v}" for k, v in list(LIMITS.items())[:5])
+               + ",\n  " + ", ".join(f"--{k.replace('_', '-')} <= {v}"
+                                      for k, v in list(LIMITS.items())[5:]) +
+               f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language; one training step "
+               f"may need at most {STEP_MEMORY // 2**30} GiB")
     a = p.add_argument
     a("--task", choices=["complement", "dyck", "shuffle"], default=d.task,
       help="Set Complement, or a formal language: Dyck-(k, D) or Shuffle-k")

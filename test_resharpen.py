@@ -815,3 +815,709 @@ def test_bad_backend_ascii_console_and_closed_pipe_do_not_crash(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()
     assert proc.wait(timeout=120) == 1 and proc.stderr.read() == b""
+
+
+# ----------------------------------------------------------------------------- theory.md, proved
+# Each formula theory.md calls proved, against something computed independently: a null
+# space, a Lyapunov solve, a Monte Carlo run, a hand construction in float64 set into the
+# script's own Transformer.
+
+DT = torch.double
+
+
+
+def ones_complement(v):
+    """Q (v, v-1): orthonormal columns orthogonal to the all-ones vector, so Q Q^T = P."""
+    P = torch.eye(v, dtype=DT) - 1.0 / v
+    Q = torch.linalg.qr(P[:, : v - 1]).Q
+    assert torch.allclose(Q @ Q.T, P, atol=1e-12)
+    return Q
+
+
+def text_model(E, U, W_V, W_O, W_Q=None, W_K=None, n_head=1, input_ln=False):
+    """The script's one-layer Transformer ('pre' block) holding theory.md's row-vector
+    matrices: E (v, n), W_Q, W_K, W_V, W_O (n, n; heads side by side), U (n, v). nn.Linear
+    stores (out, in), the transpose of the text's (in, out). Without input_ln the block's
+    LayerNorm is replaced by the identity: the minimal model x + Attn(x) of section 1."""
+    v, n = E.shape
+    zero = torch.zeros(n, n, dtype=DT)
+    W_Q = zero if W_Q is None else W_Q
+    W_K = zero if W_K is None else W_K
+    model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre")).double()
+    with torch.no_grad():
+        model.wte.weight.copy_(E)
+        model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
+        model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
+        model.lm_head.weight.copy_(U.T)
+    if not input_ln:
+        model.blocks[0].ln_1 = torch.nn.Identity()
+    return model.eval()
+
+
+def permutations(n, v, seed=0):
+    """n random orderings of the vocabulary, (n, v)."""
+    return torch.argsort(torch.rand(n, v, generator=torch.Generator().manual_seed(seed)), dim=1)
+
+
+def randomize_double(model, seed=0):
+    """float64, weights of size about 0.5, LayerNorm gains and biases away from (1, 0)."""
+    model = model.double().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
+                    + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def seen_unseen_logits(logits, tokens):
+    """Last-position logits of one input: (logits of its tokens, logits of the others)."""
+    seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    seen[list(tokens)] = True
+    return logits[seen], logits[~seen]
+
+
+def margins_at_every_length(model, v, n_perm=4, seed=0):
+    """For s = 1 .. v-1: the margin (unseen minus seen logit), after checking that the
+    logits are balanced (all seen equal, all unseen equal) on n_perm random inputs."""
+    perm = permutations(n_perm, v, seed)[:, : v - 1]
+    logits = model(perm)
+    out = []
+    for s in range(1, v):
+        ms = []
+        for b in range(n_perm):
+            lo, hi = seen_unseen_logits(logits[b, s - 1], perm[b, :s].tolist())
+            assert (lo - lo[0]).abs().max() < 1e-10 and (hi - hi[0]).abs().max() < 1e-10
+            ms.append((hi[0] - lo[0]).item())
+        assert max(ms) - min(ms) < 1e-10
+        out.append(ms[0])
+    return out
+
+
+def balance_equations(v, alpha):
+    """The balance equations of lengths 1 and 2 (section 2) as a matrix acting on the
+    unknowns (B, D, m_1, m_2), flattened: (B[x] + D[x] + m_1 e_x) P = 0 for every x, and
+    (B[y] + a D[x] + (1 - a) D[y] + m_2 (e_x + e_y)) P = 0 for every ordered pair, where
+    a = alpha[y][x] is the attention of the last token y on x."""
+    P = torch.eye(v, dtype=DT) - 1.0 / v
+    eye = torch.eye(v, dtype=DT)
+
+    def residual(z):
+        B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
+        m1, m2 = z[-2], z[-1]
+        rows = [(B[x] + D[x] + m1 * eye[x]) @ P for x in range(v)]
+        rows += [(B[y] + alpha[y][x] * D[x] + (1 - alpha[y][x]) * D[y]
+                  + m2 * (eye[x] + eye[y])) @ P
+                 for x in range(v) for y in range(v) if x != y]
+        return torch.cat(rows)
+    n_unknowns = 2 * v * v + 2
+    return torch.stack([residual(col) for col in torch.eye(n_unknowns, dtype=DT)], dim=1)
+
+
+def null_space(A, tol=1e-9):
+    _, S, Vh = torch.linalg.svd(A)
+    rank = int((S > tol * S[0]).sum())
+    return Vh[rank:].T          # columns: an orthonormal basis of {z : A z = 0}
+
+
+def uneven_split_model(v, b, m2=1.0):
+    """Section 2's counterexample, width n = head dim = v - 1, no norm: E = Q, scores with
+    a bonus b for the token's own key, W_V W_O = mu I, U = nu Q^T, with a = 1/(1 + e^b),
+    nu = m2 (1 - 2a) / a and mu = -1 / (1 - 2a)."""
+    Q = ones_complement(v)
+    n = v - 1
+    a = 1 / (1 + math.exp(b))
+    nu, mu = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a)
+    eye = torch.eye(n, dtype=DT)
+    # score(y, x) = Q[y] (b sqrt(n) I) Q[x]^T / sqrt(n) = b (1[x = y] - 1/v)
+    return text_model(Q, nu * Q.T, eye, mu * eye, W_Q=b * math.sqrt(n) * eye, W_K=eye), mu, nu
+
+# ----------------------------------------------------------------------------- section 2
+
+
+@pytest.mark.parametrize("v", [3, 5])
+def test_step_2_balance_at_lengths_1_and_2_forces_m1_equal_2_m2_for_any_attention(v):
+    # Every solution (B, D, m_1, m_2) of the balance equations has m_1 = 2 m_2, whatever the
+    # length-2 attention; with a common split there are solutions with m_2 != 0, with splits
+    # that differ from pair to pair there are none (Step 3: the split must be the same).
+    g = torch.Generator().manual_seed(v)
+    random_alpha = (0.1 + 0.8 * torch.rand(v, v, generator=g, dtype=DT)).tolist()
+    for alpha, common in [([[0.5] * v] * v, True), ([[0.3] * v] * v, True),
+                          (random_alpha, False)]:
+        N = null_space(balance_equations(v, alpha))
+        m1, m2 = N[-2], N[-1]
+        assert (m1 - 2 * m2).abs().max() < 1e-9
+        assert (N[-1].norm() > 1e-3) == common        # some solution has m_2 != 0
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_balanced_solutions_have_D_equal_minus_delta_I_up_to_a_common_row_and_rank_v_minus_1(alpha):
+    # Steps 3 and 4: D P = -delta P + 1^T (d P) with delta = m_2 / alpha, and
+    # B P = delta (1 - 2 alpha) P - 1^T (d P): B carries no token information iff alpha = 1/2.
+    # The value bound: rank(D P) = v - 1.
+    v = 5
+    P = torch.eye(v, dtype=DT) - 1.0 / v
+    N = null_space(balance_equations(v, [[alpha] * v] * v))
+    z = N @ (N[-1] + 0.3 * N[:, 0] @ N)        # a solution with m_2 != 0, not the simplest
+    z = z / z[-1]                              # m_2 = 1
+    B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
+    delta = 1 / alpha
+    common_D = (D + delta * torch.eye(v, dtype=DT)) @ P         # every row: d P
+    common_B = (B - delta * (1 - 2 * alpha) * torch.eye(v, dtype=DT)) @ P
+    assert (common_D - common_D[0]).abs().max() < 1e-9
+    assert (common_B + common_D).abs().max() < 1e-9
+    assert torch.linalg.matrix_rank(D @ P, atol=1e-9).item() == v - 1
+    BP = B @ P
+    assert ((BP - BP[0]).abs().max() < 1e-9) == (alpha == 0.5)
+
+
+@pytest.mark.parametrize("n_head", [2, 4])
+def test_width_2v_minus_2_construction_is_balanced_at_every_length(n_head):
+    # Minimal model (no norm), n = 2v - 2, total value dimension v - 1 (one head of v - 1, or
+    # two of (v - 1) / 2; the other heads write nothing), W_Q = W_K = 0: E[x] = (0, Q[x]),
+    # the values copy the second half into the first, U reads the first half through
+    # -delta Q^T. B = 0 and the margin is delta / s at every length.
+    v, delta = 5, 1.7
+    n, r = 2 * v - 2, v - 1
+    Q = ones_complement(v)
+    E = torch.cat([torch.zeros(v, r, dtype=DT), Q], dim=1)
+    W_V, W_O = torch.zeros(n, n, dtype=DT), torch.zeros(n, n, dtype=DT)
+    W_V[r:, :r] = torch.eye(r, dtype=DT)          # second half -> value coordinates
+    W_O[:r, :r] = torch.eye(r, dtype=DT)          # value coordinates -> first half
+    U = torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)])
+    model = text_model(E, U, W_V, W_O, n_head=n_head)
+    assert (E @ U).abs().max() < 1e-12                               # B = 0
+    assert torch.linalg.matrix_rank(W_V @ W_O).item() == v - 1
+    for s, m in enumerate(margins_at_every_length(model, v), start=1):
+        assert m == pytest.approx(delta / s, rel=1e-10)
+
+
+def test_width_v_minus_1_is_balanced_up_to_tau_delta_with_weights_of_size_1_over_tau():
+    # Caveat (i): n = r = v - 1, even split, E = Q, W_V W_O = I / tau, U = -tau delta Q^T:
+    # D = -delta P exactly and B = -tau delta P, so at every length s >= 2 the last token's
+    # logit sits tau delta below the other seen tokens' (which sit delta / s below the
+    # unseen ones): balanced up to an error tau delta, with weights of size 1 / tau.
+    v, delta = 6, 1.5
+    Q = ones_complement(v)
+    eye = torch.eye(v - 1, dtype=DT)
+    perm = permutations(3, v)[:, : v - 1]
+    for tau in (0.1, 0.01):
+        logits = text_model(Q, -tau * delta * Q.T, eye / tau, eye)(perm)
+        for b in range(3):
+            for s in range(2, v):
+                row, toks = logits[b, s - 1], perm[b, :s].tolist()
+                unseen = row[[t for t in range(v) if t not in toks]].mean()
+                assert (row[toks[-1]] - row[toks[0]]).item() == pytest.approx(-tau * delta,
+                                                                               abs=1e-10)
+                assert (unseen - row[toks[0]]).item() == pytest.approx(delta / s, abs=1e-10)
+
+
+def test_input_layernorm_adds_at_most_one_direction_to_the_token_differences():
+    # LN(E[x]) - LN(E[y]) lies in g * span(C S, C E[0]), S = span{E[x] - E[y]}, C the centring
+    # over the features: if S has dimension k, the normed differences span at most k + 1
+    # (here exactly k + 1). This is why Pre-Norm's width bound is 2v - 3, not 2v - 2.
+    v, n, k = 8, 10, 3
+    g = torch.Generator().manual_seed(2)
+    basis = torch.randn(k, n, generator=g, dtype=DT)
+    E = torch.randn(1, n, generator=g, dtype=DT) + torch.randn(v, k, generator=g, dtype=DT) @ basis
+    ln = torch.nn.LayerNorm(n).double()
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.3 * torch.randn(n, generator=g, dtype=DT))
+        ln.bias.copy_(torch.randn(n, generator=g, dtype=DT))
+    diffs = (ln(E) - ln(E[:1])).detach()
+    assert torch.linalg.matrix_rank(E - E[:1]).item() == k
+    assert torch.linalg.matrix_rank(diffs).item() == k + 1
+    centre = lambda z: z - z.mean(-1, keepdim=True)
+    span = ln.weight.detach() * centre(torch.cat([basis, E[:1]]))
+    coef = torch.linalg.lstsq(span.T, diffs.T).solution
+    assert (span.T @ coef - diffs.T).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("v", [4, 5, 7])
+def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
+    # Pre-Norm (input LayerNorm, eps 1e-5, its bias used), n = 2v - 3, value rank v - 1,
+    # W_Q = W_K = 0. Orthonormal feature basis b_0 (along 1_n), b_1, .., b_(n-1);
+    # S = span(b_2 .. b_(v-1)) (v - 2 dims). E[x] = b_1 + s_x, s_x the v - 1 vertices of a
+    # centred simplex in S and, for the last token, 0; U = K^T (-delta Q^T) with K's rows
+    # b_0, b_1, b_v, .., b_(n-1) (orthogonal to S), so B is a constant row. The normed
+    # embeddings y_x are v affinely independent points of span(b_1 .. b_(v-1)); the value map
+    # sends y_x + bias to Q[x] - (b_1 K^T), which cancels B: margin delta / s, exactly.
+    delta = 1.3
+    n = 2 * v - 3
+    g = torch.Generator().manual_seed(0)
+    start = torch.cat([torch.ones(n, 1, dtype=DT), torch.randn(n, n - 1, generator=g, dtype=DT)],
+                      dim=1)
+    b = torch.linalg.qr(start).Q.T
+    Q = ones_complement(v)
+    simplex = torch.cat([ones_complement(v - 1), torch.zeros(1, v - 2, dtype=DT)])
+    E = b[1] + simplex @ b[2:v]
+    K = torch.cat([b[0:2], b[v:]])
+    U = K.T @ (-delta * Q.T)
+    Y = torch.nn.functional.layer_norm(E, (n,))                 # the normed embeddings
+    X = torch.cat([Y @ b[1:v].T, torch.ones(v, 1, dtype=DT)], dim=1)
+    sol = torch.linalg.solve(X, Q)                  # Y G + 1^T k = Q: an affine map
+    shift = torch.zeros(v - 1, dtype=DT)
+    shift[1] = 1.0                                  # b_1 K^T
+    G = b[1:v].T @ sol[:-1] + b[0][:, None] * (sol[-1] - shift)[None, :]   # bias b_0 -> k - shift
+    W_V = G @ K
+    model = text_model(E, U, W_V, torch.eye(n, dtype=DT), input_ln=True)
+    with torch.no_grad():
+        model.blocks[0].ln_1.bias.copy_(b[0])
+    assert torch.linalg.matrix_rank(W_V).item() == v - 1
+    BP = E @ U - (E @ U).mean(-1, keepdim=True)
+    assert (BP - BP[0]).abs().max() < 1e-12                       # B carries no information
+    for s, m in enumerate(margins_at_every_length(model, v), start=1):
+        assert m == pytest.approx(delta / s, rel=1e-10)
+
+
+def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_not_3():
+    # v = 6, own-key bonus b = 1, m_2 = 1: bounded weights, margins exactly 2 and 1; at
+    # length 3 the last token's logit is -2/(e+2) and the other two seen tokens' -(e+1)/(e+2),
+    # relative to the unseen tokens.
+    v, e = 6, math.e
+    model, mu, nu = uneven_split_model(v, b=1.0)
+    assert abs(mu) < 3 and abs(nu) < 3
+    assert nu == pytest.approx(e - 1) and mu == pytest.approx(-(e + 1) / (e - 1))
+    singles = torch.arange(v)[:, None]
+    pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
+    for idx, want in [(singles, 2.0), (pairs, 1.0)]:
+        logits, atts = model(idx, return_attn=True)
+        for row, tokens in zip(logits[:, -1], idx.tolist()):
+            lo, hi = seen_unseen_logits(row, tokens)
+            assert (lo - lo[0]).abs().max() < 1e-12 and (hi - hi[0]).abs().max() < 1e-12
+            assert (hi[0] - lo[0]).item() == pytest.approx(want, abs=1e-12)
+    assert torch.allclose(atts[0][:, 0, 1, 0], torch.full((len(pairs),), 1 / (1 + e),
+                                                          dtype=DT))
+    triples = torch.tensor([[0, 1, 2], [4, 2, 5], [3, 5, 0]])
+    for row, (x, z, y) in zip(model(triples)[:, -1], triples.tolist()):
+        unseen = row[[t for t in range(v) if t not in (x, y, z)]].mean()
+        assert (row[y] - unseen).item() == pytest.approx(-2 / (e + 2), abs=1e-12)
+        assert (row[x] - unseen).item() == pytest.approx(-(e + 1) / (e + 2), abs=1e-12)
+        assert (row[z] - unseen).item() == pytest.approx(-(e + 1) / (e + 2), abs=1e-12)
+
+
+def test_balance_at_length_3_forces_the_even_split():
+    # A model balanced at lengths 1 and 2 with split alpha = 1/(1 + e^b) has, at length 3,
+    # last-token logit minus other seen logit = delta (3 a_3 - 2 alpha), a_3 = 1/(2 + e^b),
+    # delta = m_2 / alpha; it vanishes only at b = 0 (alpha = 1/2), where the width-(v-1)
+    # model's weights blow up (mu = -1/(1 - 2 alpha)).
+    v = 5
+    for b in [-1.5, -0.4, 0.2, 1.0, 2.5]:
+        model, _, _ = uneven_split_model(v, b)
+        alpha, a3 = 1 / (1 + math.exp(b)), 1 / (2 + math.exp(b))
+        row = model(torch.tensor([[3, 0, 1]]))[0, -1]
+        want = (3 * a3 - 2 * alpha) / alpha
+        assert (row[1] - row[3]).item() == pytest.approx(want, abs=1e-12)
+        assert abs(want) > 0.02
+    bs = torch.linspace(-6, 6, 1201, dtype=DT)
+    gap = 3 / (2 + bs.exp()) - 2 / (1 + bs.exp())
+    assert (gap.abs() < 1e-12).sum() == 1 and gap[600].abs() < 1e-12     # only at b = 0
+    assert abs(uneven_split_model(v, 1e-4)[1]) > 1e3
+
+
+def test_length_2_splits_determine_the_attention_at_every_length():
+    # One layer, no positions: the score of query y on key x depends on (y, x) only, so the
+    # weight on key t_i at any length is r(y, t_i) / sum_j r(y, t_j), with the odds
+    # r(y, x) = alpha_yx / (1 - alpha_yx) read off length 2, and r(y, y) = 1.
+    # Random weights, with the input LayerNorm.
+    v, n = 7, 8
+    model = randomize_double(R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre")))
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
+    alpha = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
+    odds = torch.ones(v, v, dtype=DT)
+    odds[pairs[:, 1], pairs[:, 0]] = alpha / (1 - alpha)
+    perm = permutations(5, v, seed=1)[:, : v - 1]
+    att = model(perm, return_attn=True)[1][0][:, 0]                  # (5, T, T)
+    for b in range(5):
+        for s in range(1, v):
+            r = odds[perm[b, s - 1], perm[b, :s]]
+            assert torch.allclose(att[b, s - 1, :s], r / r.sum(), atol=1e-12)
+    assert att[:, -1].max() > 2 / (v - 1)          # these weights are far from uniform
+
+    # An even split for every pair, with scores that are not all zero: uniform everywhere.
+    E = torch.randn(v, n, generator=g, dtype=DT)
+    w = torch.linalg.lstsq(E, torch.ones(v, 1, dtype=DT)).solution.T     # E w^T = 1
+    u = torch.randn(1, n, generator=g, dtype=DT)
+    W_Q, W_K = torch.zeros(n, n, dtype=DT), torch.zeros(n, n, dtype=DT)
+    W_Q[:, 0], W_K[:, 0] = math.sqrt(n) * u[0], w[0]     # score(y, x) = (E[y] u^T)(E[x] w^T)
+    even = text_model(E, torch.zeros(n, v, dtype=DT), torch.eye(n, dtype=DT),
+                      torch.eye(n, dtype=DT), W_Q=W_Q, W_K=W_K)
+    assert (E @ u.T).abs().min() > 0.05
+    alpha = even(pairs, return_attn=True)[1][0][:, 0, 1, 0]
+    assert torch.allclose(alpha, torch.full_like(alpha, 0.5), atol=1e-12)
+    att = even(perm, return_attn=True)[1][0][:, 0]
+    for s in range(1, v):
+        assert torch.allclose(att[:, s - 1, :s], torch.full((5, s), 1 / s, dtype=DT), atol=1e-12)
+
+# ----------------------------------------------------------------------------- section 3
+
+
+@pytest.mark.parametrize("gamma", [1.3, 0.0, -0.7])
+def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma):
+    # KL(p* || q) = -log(1 - pi) for balanced logits, at any margin (0 and negative too).
+    v = 12
+    for norm in R.NORMS:
+        m = R.evaluate(R.hand_built(v, norm, gamma), n_perm=10)
+        for s, kl, inv in zip(m["length"], m["kl"], m["invalid_mass"]):
+            pi = R.predicted_tvd(v, s, R.predicted_margin(v, norm, s, gamma))
+            assert inv == pytest.approx(pi, rel=1e-9, abs=1e-15)
+            assert kl == pytest.approx(-math.log1p(-pi), rel=1e-9, abs=1e-15)
+
+# ----------------------------------------------------------------------------- section 5
+
+
+def margins_with_eps_0(v, norm, gamma=1.0):
+    model = R.hand_built(v, norm, gamma)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.LayerNorm):
+            mod.eps = 0.0
+    return margins_at_every_length(model, v, n_perm=2)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post-residual", "pre-final", "post"])
+def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
+    # margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0,
+    # c = (n-1)/n; post-residual A = 1, c = (n-1)/n; pre-final A = 1, c = (n-1)^2/n^3;
+    # post A = 1, c = 0.
+    v, gamma = 12, 0.8
+    n = 2 * v
+    A, c = {"pre": (0, (n - 1) / n), "post-residual": (1, (n - 1) / n),
+            "pre-final": (1, (n - 1) ** 2 / n**3), "post": (1, 0.0)}[norm]
+    for s, m in enumerate(margins_with_eps_0(v, norm, gamma), start=1):
+        want = gamma * math.sqrt(n) / math.sqrt(A * s * (1 - s / v) + c * s * s)
+        assert m == pytest.approx(want, rel=1e-10)
+        assert R.predicted_margin(v, norm, s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
+
+
+def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_over_m2_not_2():
+    # eps = 0, n = 2v. Vaswani's margin relative to the 1/s law anchored at s0,
+    # m(s)/m(s0) * s/s0 = sqrt(((1 - s0/v)/s0 + A) / ((1 - s/v)/s + A)), A = (n-1)/n, grows
+    # with s, and stays below sqrt(1 + (1 - s0/v)/(s0 A)): < sqrt(3/2) for s0 = 2 (1.214 at
+    # v = 32; tends to sqrt(3/2)), and 1.408 for s0 = 1 (tends to sqrt(2)). The hand-built
+    # Post-Norm model has m_1 / m_2 = sqrt(2 (v-2) / (v-1)), not 2 (Step 2 needs no norm).
+    v = 32
+    n = 2 * v
+    A = (n - 1) / n
+    m = margins_with_eps_0(v, "post-residual")
+    for s0 in (1, 2):
+        gains = [m[s - 1] / m[s0 - 1] * s / s0 for s in range(s0, v)]
+        for s, gain in zip(range(s0, v), gains):
+            want = math.sqrt(((1 - s0 / v) / s0 + A) / ((1 - s / v) / s + A))
+            assert gain == pytest.approx(want, rel=1e-10)
+        assert all(a < b for a, b in zip(gains, gains[1:]))
+        assert gains[-1] < math.sqrt(1 + (1 - s0 / v) / (s0 * A))
+    gain = lambda vv, s0: (R.predicted_margin(vv, "post-residual", vv - 1, eps=0.0)
+                           / R.predicted_margin(vv, "post-residual", s0, eps=0.0) * (vv - 1) / s0)
+    assert gain(32, 2) == pytest.approx(1.214, abs=1e-3)
+    assert gain(32, 1) == pytest.approx(1.408, abs=1e-3)
+    assert gain(32, 2) < gain(10**6, 2) < math.sqrt(1.5) and gain(10**6, 2) > math.sqrt(1.5) - 1e-5
+    assert gain(10**6, 1) == pytest.approx(math.sqrt(2), abs=1e-5)
+    post = margins_with_eps_0(v, "post")
+    assert post[0] / post[1] == pytest.approx(math.sqrt(2 * (v - 2) / (v - 1)), rel=1e-10)
+
+
+def test_pre_final_construction_resharpens_almost_like_post_norm():
+    # v = 32, each construction scaled to margin 6 at s = 12. The final LN's input is the
+    # token (squared norm 1) plus the average divided by sigma_1 (squared norm
+    # (1/s - 1/v) / sigma_1^2): the average dominates while s < 4v^2 / (6v - 1) = 21.4
+    # (eps = 0). Margins at s = 31 and mean TVDs over s = 13..31, from the hand-built models.
+    v, train_len = 32, 12
+    n = 2 * v
+    model = R.hand_built(v, "pre-final")
+    perm = permutations(3, v)[:, : v - 1]
+    x = model.blocks[0](model.wte(perm))[0]           # the residual stream before ln_f
+    var_1 = (n - 1) / n**2 + 1e-5
+    for s in range(1, v):
+        emb, avg = x[:, s - 1, v:].pow(2).sum(-1), x[:, s - 1, :v].pow(2).sum(-1)
+        assert torch.allclose(emb, torch.ones(3, dtype=DT), atol=1e-12)
+        assert torch.allclose(avg, torch.full((3,), (1 / s - 1 / v) / var_1, dtype=DT),
+                              rtol=1e-10)
+        assert (1 / s - 1 / v) * n**2 / (n - 1) > 1 if s <= 21 else (1 / s - 1 / v) * n**2 / (
+            n - 1) < 1
+    assert 4 * v * v / (6 * v - 1) == pytest.approx(21.445, abs=1e-3)
+    got = {}
+    for norm in R.NORMS:
+        gamma = 6.0 / R.predicted_margin(v, norm, train_len)
+        m = R.evaluate(R.hand_built(v, norm, gamma), n_perm=10)
+        got[norm] = (m["logit_gap"][-1], sum(m["tvd"][train_len:]) / (v - 1 - train_len))
+    assert got["pre-final"][0] == pytest.approx(4.737, abs=1e-3)
+    assert got["pre-final"][1] == pytest.approx(0.0359, abs=1e-4)
+    assert got["post"] == pytest.approx((13.137, 0.00298), abs=1e-5 + 1e-3)
+    assert got["post-residual"] == pytest.approx((2.382, 0.1669), abs=1e-3)
+    assert got["pre"] == pytest.approx((2.323, 0.1728), abs=1e-3)
+    assert got["post"][1] < got["pre-final"][1] < got["post-residual"][1] < got["pre"][1]
+
+
+def test_post_norm_margin_decays_like_one_over_sqrt_s_to_its_minimum_at_v_over_2():
+    # eps = 0: margin = gamma sqrt(n/v) v / sqrt(s (v - s)) >= 2 gamma sqrt(n/v), minimum at
+    # s = v/2, symmetric in s <-> v - s; from s = 1 to v/2 it falls by v / (2 sqrt(v - 1))
+    # (2.87 at v = 32); beyond a length s0 <= v/2 it stays above 2 sqrt(s0 (v - s0)) / v
+    # times its value at s0 (0.968 at s0 = 12).
+    v = 32
+    m = margins_with_eps_0(v, "post")
+    assert min(m) == pytest.approx(2 * math.sqrt(2), rel=1e-10) and m.index(min(m)) == v // 2 - 1
+    assert all(m[s - 1] == pytest.approx(m[v - s - 1], rel=1e-10) for s in range(1, v))
+    assert all(a > b for a, b in zip(m[: v // 2 - 1], m[1: v // 2]))    # falls up to v/2
+    assert m[0] / m[v // 2 - 1] == pytest.approx(v / (2 * math.sqrt(v - 1)), rel=1e-10)
+    assert m[0] / m[v // 2 - 1] == pytest.approx(2.874, abs=1e-3)
+    for s0 in (4, 12, 16):
+        worst = min(m[s0 - 1:]) / m[s0 - 1]
+        assert worst == pytest.approx(2 * math.sqrt(s0 * (v - s0)) / v, rel=1e-10)
+    assert min(m[11:]) / m[11] == pytest.approx(0.968, abs=1e-3)
+
+
+def test_layernorm_eps_divides_the_post_norm_margin_by_sqrt_one_plus_eps_over_variance():
+    # With eps: margin = margin_eps0 / sqrt(1 + eps / sigma^2), sigma^2 = (1/s - 1/v) / n.
+    # At v = 32: 6.357 instead of 8.128 at s = 31, and 2.800 < 2 sqrt(2) at s = 16.
+    v, n = 32, 64
+    with_eps = margins_at_every_length(R.hand_built(v, "post"), v, n_perm=2)
+    for s, (a, b) in enumerate(zip(with_eps, margins_with_eps_0(v, "post")), start=1):
+        assert a == pytest.approx(b / math.sqrt(1 + 1e-5 * n / (1 / s - 1 / v)), rel=1e-10)
+    assert with_eps[30] == pytest.approx(6.357, abs=1e-3)
+    assert with_eps[15] == pytest.approx(2.800, abs=1e-3) and with_eps[15] < 2 * math.sqrt(2)
+
+
+def post_norm_with_values(v, values, norm_cls):
+    """hand_built(v, 'post') with value u_x = values[x] (a row of R^n) and LayerNorm or
+    RMSNorm (eps = 0) on the attention output."""
+    n = 2 * v
+    model = R.hand_built(v, "post")
+    with torch.no_grad():
+        model.blocks[0].attn.c_attn.weight[2 * n:3 * n, v:] = values.T   # (out, in) layout
+    model.blocks[0].ln_1 = (torch.nn.RMSNorm(n, eps=0.0) if norm_cls == "rms"
+                            else torch.nn.LayerNorm(n, eps=0.0)).double()
+    return model
+
+
+@pytest.mark.parametrize("norm_cls", ["layer", "rms"])
+def test_a_common_part_of_the_values_sets_the_post_norm_gap(norm_cls):
+    # Values u_x = c + w (e_x - 1/v) (centred part on the first v features; c constant there,
+    # anything elsewhere): gap = w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)), where
+    # c' = c minus its mean over the n features for LayerNorm, c' = c for RMSNorm.
+    # LayerNorm removes only the part of c along the all-ones feature vector.
+    v = 12
+    n = 2 * v
+    g = torch.Generator().manual_seed(1)
+    centred = torch.cat([torch.eye(v, dtype=DT) - 1.0 / v, torch.zeros(v, v, dtype=DT)], 1)
+    one_hot_common = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
+    other_common = torch.cat([torch.full((v,), 0.3, dtype=DT), torch.randn(v, generator=g,
+                                                                        dtype=DT)])
+    for c, w in [(one_hot_common, 1.0), (other_common, 0.7), (3 * one_hot_common, 2.0)]:
+        cp = c - c.mean() if norm_cls == "layer" else c
+        m = margins_at_every_length(post_norm_with_values(v, c + w * centred, norm_cls), v,
+                                    n_perm=2)
+        for s, gap in enumerate(m, start=1):
+            denominator = math.sqrt(cp.pow(2).sum().item() + w * w * (1 / s - 1 / v))
+            want = w * math.sqrt(n) / s / denominator
+            assert gap == pytest.approx(want, rel=1e-9)
+    # LayerNorm's share of c = (1/v) 1 on v of the n features: a fraction v/n of |c|^2.
+    removed = one_hot_common.pow(2).sum() - (one_hot_common - one_hot_common.mean()).pow(2).sum()
+    assert (removed / one_hot_common.pow(2).sum()).item() == pytest.approx(v / n, rel=1e-12)
+
+
+def test_one_hot_values_gap_decays_under_both_layernorm_and_rmsnorm():
+    # u_x = e_x: LayerNorm n / sqrt(s (n - s)), RMSNorm sqrt(n / s). Over s = 1 .. v - 1 <= n/2
+    # both fall strictly; their ratio sqrt(n / (n - s)) lies in [1, sqrt(2)].
+    # v = 32, n = 64: LayerNorm 8.06 -> 2.00, RMSNorm 8.00 -> 1.44.
+    v = 32
+    n = 2 * v
+    one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
+    ln = margins_at_every_length(post_norm_with_values(v, one_hot, "layer"), v, n_perm=1)
+    rms = margins_at_every_length(post_norm_with_values(v, one_hot, "rms"), v, n_perm=1)
+    for gaps in (ln, rms):
+        assert all(a > b for a, b in zip(gaps, gaps[1:]))
+    for s, (a, b) in enumerate(zip(ln, rms), start=1):
+        assert a / b == pytest.approx(math.sqrt(n / (n - s)), rel=1e-10)
+        assert 1 <= a / b <= math.sqrt(2)
+    assert (round(ln[0], 2), round(ln[-1], 2), round(rms[0], 2), round(rms[-1], 2)) == (
+        8.06, 2.00, 8.00, 1.44)
+
+# ----------------------------------------------------------------------------- section 6
+
+
+def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_small_steps():
+    # theta <- theta - eta (lam theta + xi), Var xi = sigma^2: stationary variance
+    # V = eta sigma^2 / (lam (2 - eta lam)) for 0 < eta lam < 2, so V / eta -> sigma^2 / (2 lam)
+    # for eta lam << 1; at eta lam = 1.5 it is 4 times that; above 2 the iterates diverge.
+    lam, sigma, chains = 2.0, 0.5, 20000
+    g = torch.Generator().manual_seed(0)
+
+    def simulate(eta, steps):
+        theta = torch.zeros(chains, dtype=DT)
+        for _ in range(steps):
+            theta = theta - eta * (lam * theta + sigma * torch.randn(chains, generator=g,
+                                                                      dtype=DT))
+        return theta
+
+    ratios = []
+    for eta, steps in [(0.0025, 1200), (0.005, 600), (0.01, 300)]:
+        V = simulate(eta, steps).var().item()
+        assert V == pytest.approx(eta * sigma**2 / (lam * (2 - eta * lam)), rel=0.05)
+        ratios.append(V / eta)
+    assert max(ratios) / min(ratios) < 1.08                   # V proportional to eta
+    assert sum(ratios) / 3 == pytest.approx(sigma**2 / (2 * lam), rel=0.05)
+    V = simulate(0.75, 100).var().item()                        # eta lam = 1.5
+    assert V / 0.75 == pytest.approx(4 * sigma**2 / (2 * lam), rel=0.05)
+    assert simulate(1.05, 200).abs().min() > 1e3                # eta lam = 2.1
+
+
+def test_ema_variance_factor_solves_the_stationary_covariance_equation():
+    # The pair (theta, ema) is a linear recursion x <- A x + b xi; its stationary covariance
+    # solves S = A S A^T + sigma^2 b b^T (solved here as a 4 x 4 linear system). Its entries
+    # are V and V (1 - w)/(1 + w) (1 + w rho)/(1 - w rho), rho = 1 - eta lam, w the EMA decay:
+    # 0.0905 V at eta lam = 0.01, w = 0.999.
+    for eta_lam, w in [(0.01, 0.999), (0.1, 0.95), (1.5, 0.5)]:
+        eta, lam, sigma = eta_lam, 1.0, 1.0
+        rho = 1 - eta * lam
+        A = torch.tensor([[rho, 0.0], [(1 - w) * rho, w]], dtype=DT)
+        b = torch.tensor([[-eta], [-(1 - w) * eta]], dtype=DT)
+        S = torch.linalg.solve(torch.eye(4, dtype=DT) - torch.kron(A, A),
+                               (sigma**2 * b @ b.T).reshape(4)).reshape(2, 2)
+        V = eta * sigma**2 / (lam * (2 - eta * lam))
+        factor = (1 - w) / (1 + w) * (1 + w * rho) / (1 - w * rho)
+        assert S[0, 0].item() == pytest.approx(V, rel=1e-9)
+        assert S[1, 1].item() == pytest.approx(V * factor, rel=1e-9)
+    assert (1 - 0.999) / 1.999 * (1 + 0.999 * 0.99) / (1 - 0.999 * 0.99) == pytest.approx(
+        0.0905, abs=1e-4)
+
+# ----------------------------------------------------------------------------- section 8
+# Dyck-(2, 4) tokens: 0 '(' and 1 '[' open, 2 ')' and 3 ']' close, 4 END.
+
+
+def random_one_layer(norm, bos=False, n_layer=1):
+    return randomize_double(R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
+                                            bos=bos, n_layer=n_layer)))
+
+
+def last(model, seq):
+    return model(torch.tensor([seq]))[0, -1]
+
+
+@pytest.mark.parametrize("norm", list(R.NORMS))
+def test_one_layer_without_bos_sees_only_the_proportions_of_its_prefix(norm):
+    # Without BOS or positions, a one-layer model's last output depends on its last token
+    # and the proportions of the token counts: '( (' (depth 2: opens 1/4 each, ')' 1/2) and
+    # '( ( ( (' (depth 4, full: only ')') get the same logits. BOS breaks the scaling.
+    model = random_one_layer(norm)
+    assert torch.allclose(last(model, [0, 0]), last(model, [0, 0, 0, 0]), atol=1e-12)
+    assert torch.allclose(last(model, [0, 0, 2]), last(model, [0, 0, 0, 0, 2, 2]), atol=1e-12)
+    with_bos = random_one_layer(norm, bos=True)
+    assert not torch.allclose(last(with_bos, [0, 0]), last(with_bos, [0, 0, 0, 0]), atol=1e-3)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_one_layer_cannot_tell_which_bracket_is_on_top_of_the_stack(bos):
+    # '( [ ( )' leaves '[' on top (']' legal), '[ ( ( )' leaves '(' on top (')' legal): the
+    # same tokens in another order, the same last token, so one layer gives the same logits.
+    for norm in R.NORMS:
+        one = random_one_layer(norm, bos=bos)
+        assert torch.allclose(last(one, [0, 1, 0, 2]), last(one, [1, 0, 0, 2]), atol=1e-12)
+    two = random_one_layer("post", bos=bos, n_layer=2)
+    assert not torch.allclose(last(two, [0, 1, 0, 2]), last(two, [1, 0, 0, 2]), atol=1e-3)
+
+
+def test_normed_bos_average_on_an_arc_separates_depth_0_but_cannot_be_flat_on_3_depths():
+    # LN(e_0 + depth e_1) (eps = 0) lies on a circle of radius sqrt(n) in a plane, on an arc
+    # of arccos(-1/(n-1)) < 180 degrees. The readout w = LN(e_0) falls strictly with depth,
+    # so a threshold separates depth 0 from every depth >= 1 (at every length, since the
+    # normed average does not depend on it). But an affine readout that is equal at depths
+    # 1, 2 and 3 is equal at depth 0 too; one ReLU feature of the depth removes that limit.
+    n = 6
+    ln = lambda h: torch.nn.functional.layer_norm(h, (n,), eps=0.0)
+    e = torch.eye(n, dtype=DT)
+    pts = torch.stack([ln(e[0] + k * e[1]) for k in range(200)])
+    assert torch.allclose(pts.norm(dim=1), torch.full((200,), math.sqrt(n), dtype=DT))
+    assert torch.linalg.matrix_rank(pts).item() == 2
+    end_angle = math.acos(-1 / (n - 1))
+    assert math.acos((pts[0] @ pts[-1] / n).item()) < end_angle < math.pi
+    score = pts @ pts[0]
+    assert all(a > b for a, b in zip(score.tolist(), score[1:].tolist()))
+
+    def flat_on_1_2_3_forces_flat_at_0(features):
+        X = torch.cat([features, torch.ones(len(features), 1, dtype=DT)], 1)  # affine readout
+        constraints = torch.stack([X[1] - X[2], X[2] - X[3]])
+        free = null_space(constraints, tol=1e-12)      # readouts equal at depths 1, 2, 3
+        return ((X[0] - X[1]) @ free).abs().max().item() < 1e-9
+
+    assert flat_on_1_2_3_forces_flat_at_0(pts[:5])
+    depth = torch.arange(5, dtype=DT)[:, None]
+    step = depth.clamp_min(0) - (depth - 1).clamp_min(0)     # relu(d) - relu(d - 1): 0, 1, 1, ..
+    assert not flat_on_1_2_3_forces_flat_at_0(torch.cat([pts[:5], step], 1))
+
+
+# ----------------------------------------------------------------------------- the README
+# Every number the README quotes comes from a file a named command wrote into plots/.
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_part_1_is_at_most_400_lines_and_never_asks_which_task_it_runs():
+    lines = read("resharpen.py").splitlines()
+    start = next(i for i, line in enumerate(lines) if "Part 1: the paper" in line)
+    end = next(i for i, line in enumerate(lines) if "Part 2: what reproduces" in line)
+    assert end - start <= 400
+    code = [line.split("#")[0] for line in lines[start:end]]
+    assert not any("cfg.task ==" in line or "Language" in line or "cfg.bema" in line
+                   for line in code)
+
+
+def test_the_readme_front_door_is_at_most_200_lines():
+    readme = read("README.md")
+    assert len(readme.split("\n## Exercises")[0].splitlines()) <= 200
+
+
+def test_readme_main_command_output_is_what_plots_metrics_json_holds():
+    import json
+    m = json.loads(read("plots/metrics.json"))
+    assert m["config"]["norm"] == "post" and m["config"]["ema"] == 0.999   # the main command
+    readme = read("README.md")
+    assert R.format_table(m, m["config"]["train_len"], m["raw"]) in readme
+    s, r = m["summary"], m["raw"]["summary"]
+    assert (f"mean TVD: training lengths {s['tvd_train']:.4f} | extrapolation 13..31 "
+            f"{s['tvd_extrap']:.4f}   (raw weights: {r['tvd_train']:.4f} | "
+            f"{r['tvd_extrap']:.4f})") in readme
+
+
+def test_readme_results_rows_are_copied_from_the_generated_tables():
+    readme = read("README.md")
+    results = readme.split("\n## Results", 1)[1].split("\n## Exercises", 1)[0]
+    generated = read("plots/compare.md") + read("plots/suite.md")
+    rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 10
+    for row in rows:
+        assert row in generated, row
+
+
+def seed_0_gaps():
+    import json
+    runs = json.loads(read("plots/compare.json"))["runs"]
+    return {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs
+            if r["config"]["seed"] == 0 and r["config"]["targets"] == "sampled"
+            and r["config"]["lr_schedule"] == "constant"}
+
+
+def test_readme_prose_numbers_match_the_comparison():
+    readme = " ".join(read("README.md").split())   # line breaks do not matter
+    gap = seed_0_gaps()
+    pre, post = gap["pre"], gap["post"]
+    for fragment in [f"its gap is {pre[0]:.2f} at s = 1, {pre[11]:.2f} at s = 12",
+                     f"and {pre[30]:.2f} at s = 31",
+                     f"Trained: {post[0]:.2f} at s = 1, {post[11]:.2f} at s = 12, "
+                     f"{post[30]:.2f} at s = 31, never below {min(post):.2f}"]:
+        assert fragment in readme, fragment
+    compare = read("plots/compare.md")
+    wall = compare.split(" s wall")[0].rsplit(" ", 1)[1]
+    assert f"the grid itself took {wall} s" in readme
+    suite_wall = read("plots/suite.md").split(" s wall")[0].rsplit(" ", 1)[1]
+    assert f"the grid itself took {suite_wall} s" in readme.split("**Formal languages.**")[1]
+    import json
+    runs = json.loads(read("plots/compare.json"))["runs"]
+    last = [r["ema"]["tvd"][-1] for r in runs if r["config"]["norm"] == "pre"
+            and r["config"]["targets"] == "sampled" and r["config"]["lr_schedule"] == "constant"]
+    assert f"Pre-Norm's error climbs to {sum(last) / len(last):.3f} at s = 31" in readme
