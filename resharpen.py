@@ -27,17 +27,19 @@ Importing this file runs nothing; tests and notebooks use its pieces.
 import argparse
 import contextlib
 import copy
+import functools
 import hashlib
 import io
 import json
 import math
 import os
 import pickle
+import random
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -74,6 +76,7 @@ class Config:
     bema: bool = False        # average with BEMA instead of the plain EMA
     brackets: int = 2         # k, for the formal languages
     max_depth: int = 4        # D, for Dyck-(k, D)
+    attn_scale: str = "none"  # a key of ATTENTIONS: 'logn' scales scores by s_h log n
 
 
 NORMS = {
@@ -98,13 +101,12 @@ class SetComplement:
         self.vocab, self.train_len = cfg.vocab, cfg.train_len
 
     def sample(self, n, T, generator=None):
-        """n random orderings of the vocabulary, cut to T tokens. Read left to right, each
-        next token is uniform on the tokens not seen yet: a sample of the prefix's target."""
+        """n random orderings of the vocabulary, cut to T tokens: read left to right, each
+        next token is uniform on the unseen ones, a sample of its prefix's target."""
         return torch.argsort(torch.rand(n, self.vocab, generator=generator), dim=1)[:, :T]
 
     def target(self, idx, dtype=torch.float):
-        """p*(prefix) for every prefix of every row, (B, T) -> (B, T, v): zero on the tokens
-        seen so far, uniform on the rest. A prefix must not hold the whole vocabulary."""
+        """p*(prefix) of every prefix, (B, T) -> (B, T, v): 0 on seen tokens, else uniform."""
         seen = F.one_hot(idx, self.vocab).cumsum(dim=1).clamp(max=1)  # (B, T, v)
         unseen = (1 - seen).to(dtype)
         return unseen / unseen.sum(dim=-1, keepdim=True)
@@ -115,8 +117,7 @@ class SetComplement:
 
     def loss_floor(self):
         """The lowest possible loss: the target's entropy log(v - s), averaged over s."""
-        L = self.train_len
-        return sum(math.log(self.vocab - s) for s in range(1, L + 1)) / L
+        return sum(math.log(self.vocab - s) for s in range(1, self.train_len + 1)) / self.train_len
 
 
 TASKS = {"complement": SetComplement}   # Part 2 adds 'dyck' and 'shuffle'
@@ -141,7 +142,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)    # (B, nh, T, T)
+        att = self.scores(q, k)                            # (B, nh, T, T)
         # Causal mask only, no positions: the last token sees its prefix as a set, which
         # is why one model runs at every length (theory.md, section 1).
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -149,6 +150,12 @@ class CausalSelfAttention(nn.Module):
         y = self.drop(att) @ v                             # (B, nh, T, hs): the average
         y = y.transpose(1, 2).contiguous().view(B, T, C)   # (B, T, C)
         return self.c_proj(y), att
+
+    def scores(self, q, k):   # q k^T / sqrt(head size); Part 2's LogLengthAttention rescales them
+        return (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+
+
+ATTENTIONS = {"none": CausalSelfAttention}   # Part 2 adds 'logn'
 
 
 class Block(nn.Module):
@@ -162,7 +169,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm = cfg.norm
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = ATTENTIONS[cfg.attn_scale](cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd) if cfg.mlp else None
         C = cfg.n_embd
         self.mlp = nn.Sequential(nn.Linear(C, 4 * C, bias=False), nn.GELU(),
@@ -224,11 +231,10 @@ class Transformer(nn.Module):
 
 
 class EMA:
-    """A shadow copy of the parameters, averaged after every optimizer step:
-        avg_t = (1 - beta_t) * avg_{t-1} + beta_t * theta_t,   beta_t = (1 - d) / (1 - d**t)
-    This beta_t is Adam's bias correction written as a weight: avg_t is exactly the
-    average of theta_1 .. theta_t with weights proportional to d**(t - k), so the random
-    initialization never enters it and a short run is not dominated by the start."""
+    """A shadow copy of the parameters, averaged after every optimizer step (decay omega):
+        avg_t = (1 - beta_t) avg_{t-1} + beta_t theta_t,   beta_t = (1 - omega) / (1 - omega^t)
+    This is Adam's bias correction as a weight: avg_t averages theta_1 .. theta_t with weights
+    proportional to omega^(t - k), so the initialization never enters it (theory.md, 6)."""
 
     def __init__(self, model, decay):
         self.decay, self.t = decay, 0
@@ -243,8 +249,7 @@ class EMA:
         for s, p in zip(self.shadow, model.parameters()):
             s.lerp_(p, self.beta(self.t))  # s + beta_t * (p - s)
 
-    def averaged(self):
-        """The weights to evaluate."""
+    def averaged(self):   # the weights to evaluate
         return self.shadow
 
 
@@ -278,15 +283,13 @@ def train(cfg, log=print, averagers=None):
     """Train on cfg's task. Returns (model, averagers, losses): the model holds the last
     weights; each function model -> averager in `averagers` (default: cfg.ema's EMA) makes
     an average, updated every step, that never feeds back into training."""
-    task = TASKS[cfg.task](cfg)
-    device = pick_device(cfg.device)
+    task, device = TASKS[cfg.task](cfg), pick_device(cfg.device)
     torch.manual_seed(cfg.seed)                      # the initialization
     gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
     model = Transformer(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if averagers is None:
-        averagers = [lambda m: EMA(m, cfg.ema)] if cfg.ema > 0 else []
-    averagers = [make(model) for make in averagers]
+    default = [lambda m: EMA(m, cfg.ema)] if cfg.ema > 0 else []
+    averagers = [make(model) for make in (default if averagers is None else averagers)]
     losses, floor = [], task.loss_floor()
     t_last, step_last, every = time.time(), 0, max(1, cfg.steps // 8)
     for step in range(1, cfg.steps + 1):
@@ -330,7 +333,7 @@ def evaluate(model, n_perm=EVAL_PERMS):
     task = TASKS[cfg.task](cfg)
     model.eval()
     idx = task.eval_inputs(n_perm)                             # (N, T), on the CPU
-    N, T = idx.shape
+    N, T = idx.shape   # below: rows per chunk, for about EVAL_CHUNK numbers per chunk
     rows = max(1, EVAL_CHUNK // (T * (cfg.vocab + (T + 1) * cfg.n_head * cfg.n_layer)))
     total = {}
     for chunk in idx.split(rows):
@@ -400,8 +403,8 @@ def hand_built(vocab, norm, gamma=1.0):
       E[x] = e_(v+x)         token x sits in the second half of the features
       W_V W_O                writes the centred one-hot e_x - 1/v into the first half
       U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
-    The readout never sees the second half, so B = E U = 0: only the displacement acts.
-    (nn.Linear stores W as (out, in); theory.md's row vectors multiply its transpose.)"""
+    The readout never sees the second half, so the logit bias B = E U = 0 (theory.md, 1).
+    nn.Linear stores W as (out, in); theory.md's row vectors multiply its transpose."""
     v, n = vocab, 2 * vocab
     # float64 throughout, so that TVDs far below float32's 1e-7 are computed exactly
     model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
@@ -421,7 +424,7 @@ def hand_built(vocab, norm, gamma=1.0):
 def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
     """theory.md, sections 3 and 5: logit of an unseen token minus logit of a seen one, at
     length s, for hand_built(vocab, norm, gamma). The attention average of the values is
-    h = 1_t / s - 1/v (1 on the seen tokens), whose seen-unseen difference is 1/s; each
+    u_bar = 1_t / s - 1/v (1 on the seen tokens), whose seen-unseen difference is 1/s; each
     LayerNorm divides it by the standard deviation of what that norm sees (eps: LN's)."""
     n = 2 * vocab
     var_1 = (n - 1) / n**2 + eps   # the input LN (pre, pre-final) sees one token e_(v+x)
@@ -784,7 +787,8 @@ def run_one(cfg, out, save=None):
 COMPARE_SEEDS = 3
 COMPARE_EMA = 0.999
 AVERAGES = ("raw", "ema", "bema")
-AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
+AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA", "ema99": "EMA 0.99"}
+AVERAGERS = {"ema": lambda m: EMA(m, COMPARE_EMA), "ema99": lambda m: EMA(m, 0.99), "bema": BEMA}
 COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
           "post-residual": "tab:purple"}
 
@@ -804,22 +808,17 @@ def compare_grid(base):
     return runs
 
 
-def compare_one(cfg, threads=None):
-    """Train one configuration and evaluate its raw, EMA and BEMA weights."""
+def compare_one(cfg, averages=("ema", "bema"), threads=None):
+    """Train one configuration; evaluate its raw weights and each average (AVERAGERS)."""
     if threads:
         torch.set_num_threads(threads)
     t0 = time.time()
-    model, (ema, bema), _ = train(cfg, log=lambda *a: None,
-                                  averagers=[lambda m: EMA(m, COMPARE_EMA), BEMA])
-    result = {"raw": evaluate(model), "ema": evaluate(averaged_copy(model, ema)),
-              "bema": evaluate(averaged_copy(model, bema))}
+    model, avgs, _ = train(cfg, log=lambda *a: None, averagers=[AVERAGERS[a] for a in averages])
+    result = {"raw": evaluate(model)}
+    result.update({a: evaluate(averaged_copy(model, avg)) for a, avg in zip(averages, avgs)})
     if not all(finite(m) for m in result.values()):
         raise FloatingPointError(f"the metrics of {cfg} are not finite")
     return cfg, result, time.time() - t0
-
-
-def _compare_one_thread(cfg):
-    return compare_one(cfg, threads=1)
 
 
 def _ignore_ctrl_c():
@@ -827,7 +826,7 @@ def _ignore_ctrl_c():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_grid(runs, device):
+def run_grid(runs, device, averages=("ema", "bema")):
     """Train and evaluate every run: on every CPU core at once (one thread each), or one
     at a time on a GPU, with a progress line per run. Returns (results, wall, workers)."""
     workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
@@ -836,17 +835,18 @@ def run_grid(runs, device):
     if workers > 1:
         import multiprocessing
         pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_ctrl_c)
-        results = pool.imap_unordered(_compare_one_thread, runs)
+        job = functools.partial(compare_one, averages=averages, threads=1)
+        results = pool.imap_unordered(job, runs)
     else:
-        pool, results = None, map(compare_one, runs)
+        pool, results = None, (compare_one(cfg, averages) for cfg in runs)
     try:
         for cfg, result, seconds in results:
             done.append((cfg, result, seconds))
-            s = {a: summarize(result[a], cfg.train_len)["tvd_extrap"] for a in AVERAGES}
+            s = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
+                         for a, m in result.items())
             print(f"[{len(done):2d}/{len(runs)}] {TASKS[cfg.task](cfg).name:13s} {cfg.norm:13s} "
                   f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD "
-                  f"raw {s['raw']:.3f} ema {s['ema']:.3f} bema {s['bema']:.3f} | {seconds:.0f}s "
-                  f"| ETA {eta(done, len(runs), workers):.0f}s", flush=True)
+                  f"{s} | {seconds:.0f}s | ETA {eta(done, len(runs), workers):.0f}s", flush=True)
     finally:
         if pool:
             pool.terminate()
@@ -1019,6 +1019,231 @@ def compare(base, out):
     record = {"config": asdict(base), "wall_seconds": round(wall, 1),
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
     written = write_outputs(out, files, "compare.json", record)
+    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+
+# ----------------------------------------------------------------------------- alternatives
+# python resharpen.py --alternatives: would another remedy do as well? (theory.md, section 9)
+
+
+class LogLengthAttention(CausalSelfAttention):
+    """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions
+    (itself and every earlier one, BOS included) has its scores multiplied by s_h log(n),
+    with s_h a learned scale per head, initialized to 1:
+        att = softmax(s_h log(n) q k^T / sqrt(head size))
+    At n = 1 the one score becomes 0, which changes nothing: a single key has weight 1."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.log_scale = nn.Parameter(torch.ones(cfg.n_head))   # s_h
+
+    def scores(self, q, k):
+        n = torch.arange(1, q.shape[2] + 1, device=q.device, dtype=q.dtype)   # (T,)
+        return super().scores(q, k) * (self.log_scale[:, None, None] * n.log()[:, None])
+
+
+ATTENTIONS["logn"] = LogLengthAttention
+
+ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
+    "pre": {},
+    "pre + dropout 0.1": dict(dropout=0.1),
+    "pre + dropout 0.3": dict(dropout=0.3),
+    "pre + log-length scaling": dict(attn_scale="logn"),
+    "pre + BOS": dict(bos=True),
+    "post": dict(norm="post"),
+}
+
+
+def alternative_runs(base, changes):
+    sampled = dict(norm="pre", targets="sampled", lr_schedule="constant", ema=0.0, bema=False)
+    return [replace(base, **{**sampled, **changes}, seed=base.seed + i)
+            for i in range(COMPARE_SEEDS)]
+
+
+def alternatives_table(named, train_len, v):
+    """named: {name: [result of each seed]} -> markdown, raw and EMA weights."""
+    head = ("| remedy | weight average | TVD, training lengths | TVD, extrapolation | "
+            f"TVD at s = {v - 1} | gap x s, min - max over s (mean of seeds) |")
+    out = [head, "|---" * 6 + "|"]
+    for name, results in named.items():
+        for avg in ("raw", "ema"):
+            sums = [summarize(r[avg], train_len) for r in results]
+            gap_s = [sum(r[avg]["logit_gap"][s - 1] for r in results) / len(results) * s
+                     for s in range(1, v)]
+            out.append(f"| {name} | {AVERAGE_LABELS[avg]} | "
+                       + " | ".join(mean_sd([x[k] for x in sums])
+                                    for k in ("tvd_train", "tvd_extrap", "tvd_last"))
+                       + f" | {min(gap_s):.2f} - {max(gap_s):.2f} |")
+    return "\n".join(out)
+
+
+def plot_alternatives(named, cfg):
+    """alternatives.png: TVD and gap x s against length per remedy (EMA weights)."""
+    fig, (ax1, ax2) = new_figure(2)
+    fig.set_size_inches(10.4, 4.6)
+    s = list(range(1, cfg.vocab))
+    colors = ["tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:gray", "tab:blue",
+              "tab:cyan"]
+    for (name, results), color in zip(named.items(), colors):
+        top = dict(lw=3, zorder=5) if name.startswith("post") else dict(lw=1.5, zorder=3)
+        _band(ax1, s, [r["ema"]["tvd"] for r in results], name, color, **top)
+        _band(ax2, s, [[g * x for x, g in zip(s, r["ema"]["logit_gap"])] for r in results],
+              None, color, **top)
+    for ax in (ax1, ax2):
+        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", zorder=0)
+        ax.set(xlabel="prefix length s", xlim=(0.5, cfg.vocab - 0.5))
+    ax1.set(ylabel="TVD to the exact target", ylim=(0, 1), title="the error, EMA weights")
+    ax2.set(ylabel="logit gap x s", yscale="log",
+            title="gap x s: flat = the 1/s law of dispersion")
+    fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+    return fig
+
+
+def alternatives(base, out):
+    """The remedies side by side, 3 seeds each; then Post-Norm with the best of the others,
+    if one beats plain Pre-Norm. Writes alternatives.md, .json and .png."""
+    names = list(ALTERNATIVES)
+    runs = [cfg for name in names for cfg in alternative_runs(base, ALTERNATIVES[name])]
+    done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
+    named = {name: [r for c, r, _ in done if c in alternative_runs(base, ALTERNATIVES[name])]
+             for name in names}
+    extrap = {n: sum(summarize(r["ema"], base.train_len)["tvd_extrap"] for r in rs) / len(rs)
+              for n, rs in named.items()}
+    best = min((n for n in names if n not in ("pre", "post")), key=extrap.get)
+    note = f"No other remedy beat plain Pre-Norm beyond the training lengths (EMA weights)."
+    if extrap[best] < extrap["pre"] - 0.005:   # helps: lower by more than rounding
+        name = "post + " + best.split(" + ", 1)[1]
+        changes = {**ALTERNATIVES[best], "norm": "post"}
+        more, wall2, _ = run_grid(alternative_runs(base, changes), pick_device(base.device),
+                                  averages=("ema",))
+        named[name], wall = [r for _, r, _ in more], wall + wall2
+        done += more
+        note = f"The best of the others on Pre-Norm was '{best}'; '{name}' adds it to Post-Norm."
+    table = alternatives_table(named, base.train_len, base.vocab)
+    md = (f"Written by `python resharpen.py --alternatives` (v={base.vocab}, train lengths "
+          f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}, "
+          f"sampled targets, constant learning rate).\n\n{table}\n\n{note} Mean +- standard "
+          f"deviation over {COMPARE_SEEDS} seeds. {len(done)} training runs, {wall:.0f} s wall "
+          f"in {workers} worker process(es).\n")
+    print("\n" + md)
+    files = {"alternatives.md": md.encode("utf-8"),
+             "alternatives.png": figure_bytes(plot_alternatives(named, base))}
+    record = {"config": asdict(base), "wall_seconds": round(wall, 1),
+              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    written = write_outputs(out, files, "alternatives.json", record)
+    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+
+# ----------------------------------------------------------------------------- search
+# python resharpen.py --search N: is the effect a property of the method or of the defaults?
+
+SEARCH_THRESHOLD = 0.1   # a configuration 'trained' if both norms' training-length TVD is below
+SEARCH_DEFAULT = 8       # configurations, 3 runs each: about 10 minutes on 2 CPU cores
+
+
+def search_configs(n, seed):
+    """n random configurations, each as three runs from the same seed: Pre-Norm, Post-Norm
+    (the paired comparison) and Pre-Norm without dropout (the paired dropout effect).
+    Ranges: vocabulary 16..64; training length v/4..v/2; 1..4 heads; width the smallest
+    multiple of the heads >= 2v - 2 (theory.md, section 2); lr log-uniform 3e-4..1e-2;
+    batch log-uniform 64..512; 1000..4000 steps; dropout uniform 0..0.3; the EMA decay
+    that counts for the comparison drawn from 0 (raw weights), 0.99, 0.999."""
+    g = random.Random(seed)
+    configs = []
+    for i in range(n):
+        v = g.randint(16, 64)
+        heads = g.randint(1, 4)
+        base = Config(vocab=v, train_len=g.randint(math.ceil(v / 4), v // 2), n_head=heads,
+                      n_embd=heads * math.ceil((2 * v - 2) / heads),
+                      lr=round(10 ** g.uniform(math.log10(3e-4), -2), 6),
+                      batch_size=round(2 ** g.uniform(6, 9)), steps=g.randint(1000, 4000),
+                      dropout=round(g.uniform(0, 0.3), 3), ema=g.choice([0.0, 0.99, 0.999]),
+                      seed=seed + i)
+        configs.append([replace(base, norm="pre"), replace(base, norm="post"),
+                        replace(base, norm="pre", dropout=0.0)])
+    return configs
+
+
+def search_summary(configs, results):
+    """The search's headline numbers, from {cfg: result}."""
+    key = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}
+    tvd = lambda cfg, what: summarize(results[astuple(cfg)][key[cfg.ema]], cfg.train_len)[what]
+    trained = [(pre, post) for pre, post, _ in configs
+               if max(tvd(pre, "tvd_train"), tvd(post, "tvd_train")) < SEARCH_THRESHOLD]
+    ratios = sorted(tvd(pre, "tvd_extrap") / tvd(post, "tvd_extrap") for pre, post in trained)
+    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))] if ratios else None
+    ema = sorted(summarize(results[astuple(c)]["raw"], c.train_len)["tvd_train"] /
+                 summarize(results[astuple(c)]["ema"], c.train_len)["tvd_train"]
+                 for runs in configs for c in runs)
+    drop = sorted(tvd(no, "tvd_extrap") / tvd(pre, "tvd_extrap") for pre, _, no in configs)
+    return {"configurations": len(configs), "trained": len(trained),
+            "post_better": sum(r > 1 for r in ratios),
+            "ratio_quartiles": [q(0.25), q(0.5), q(0.75)],
+            "ema_train_ratio_median": ema[len(ema) // 2], "ema_helped": sum(r > 1 for r in ema),
+            "runs": sum(len(r) for r in configs),
+            "dropout_ratio_median": drop[len(drop) // 2],
+            "dropout_helped": sum(r > 1 for r in drop)}
+
+
+def plot_search(configs, results):
+    """search.png: Pre-Norm against Post-Norm extrapolation TVD per configuration, log-log."""
+    key = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}
+    tvd = lambda cfg, what: summarize(results[astuple(cfg)][key[cfg.ema]], cfg.train_len)[what]
+    fig, ax = new_figure()
+    for pre, post, _ in configs:
+        ok = max(tvd(pre, "tvd_train"), tvd(post, "tvd_train")) < SEARCH_THRESHOLD
+        ax.plot(tvd(pre, "tvd_extrap"), tvd(post, "tvd_extrap"), "o", ms=6,
+                color="tab:blue" if ok else "none", markeredgecolor="tab:blue")
+    ax.plot([1e-3, 1], [1e-3, 1], "k--", lw=1, label="equal")
+    ax.plot([], [], "o", color="tab:blue", label=f"trained (TVD < {SEARCH_THRESHOLD})")
+    ax.plot([], [], "o", color="none", markeredgecolor="tab:blue", label="not trained")
+    ax.set(xscale="log", yscale="log", xlabel="Pre-Norm: extrapolation TVD",
+           ylabel="Post-Norm: extrapolation TVD", title="below the line: Post-Norm better")
+    ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+def search(base, out, n):
+    """python resharpen.py --search N: N random configurations, three runs each."""
+    configs = search_configs(n, base.seed)
+    runs = [cfg for group in configs for cfg in group]
+    done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema99", "ema"))
+    results = {astuple(c): r for c, r, _ in done}
+    h = search_summary(configs, results)
+    key = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}
+    rows = ["| # | v | train len | heads | width | lr | batch | steps | dropout | EMA | "
+            "pre: train, extrap | post: train, extrap | pre without dropout: extrap |",
+            "|---" * 13 + "|"]
+    for i, (pre, post, no) in enumerate(configs):
+        t = lambda c: summarize(results[astuple(c)][key[c.ema]], c.train_len)
+        rows.append(f"| {i} | {pre.vocab} | {pre.train_len} | {pre.n_head} | {pre.n_embd} | "
+                    f"{pre.lr:.2g} | {pre.batch_size} | {pre.steps} | {pre.dropout} | "
+                    f"{pre.ema or 'none'} | {t(pre)['tvd_train']:.3f}, "
+                    f"{t(pre)['tvd_extrap']:.3f} | "
+                    f"{t(post)['tvd_train']:.3f}, {t(post)['tvd_extrap']:.3f} | "
+                    f"{t(no)['tvd_extrap']:.3f} |")
+    q = [f"{x:.2f}" if x is not None else "n/a" for x in h["ratio_quartiles"]]
+    text = (f"Written by `python resharpen.py --search {n}` (seed {base.seed}; ranges in "
+            f"`search_configs`).\n\n"
+            f"- {h['trained']} of {h['configurations']} configurations trained (training-length "
+            f"TVD below {SEARCH_THRESHOLD} with both norms, with the EMA decay drawn for it); "
+            f"the other {h['configurations'] - h['trained']} are in the table, not hidden.\n"
+            f"- Among those that trained, Post-Norm extrapolated better in {h['post_better']} of "
+            f"{h['trained']}; the ratio of extrapolation TVDs, Pre-Norm over Post-Norm, has "
+            f"quartiles {q[0]}, {q[1]} (median), {q[2]}.\n"
+            f"- EMA 0.999 against the raw weights of the same run, training-length TVD: "
+            f"lower in {h['ema_helped']} of {h['runs']} runs, median ratio raw/EMA "
+            f"{h['ema_train_ratio_median']:.2f}.\n"
+            f"- Dropout, Pre-Norm with the drawn dropout against the same run without it: "
+            f"extrapolation TVD lower with dropout in {h['dropout_helped']} of "
+            f"{h['configurations']}, median ratio without/with {h['dropout_ratio_median']:.2f}."
+            "\n\n"
+            + "\n".join(rows) + f"\n\n{len(done)} training runs, {wall:.0f} s wall in {workers} "
+            f"worker process(es).\n")
+    print("\n" + text)
+    files = {"search.md": text.encode("utf-8"),
+             "search.png": figure_bytes(plot_search(configs, results))}
+    record = {"summary": h, "wall_seconds": round(wall, 1),
+              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    written = write_outputs(out, files, "search.json", record)
     print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
 # ----------------------------------------------------------------------------- language suite
@@ -1228,6 +1453,9 @@ def build_parser():
     a("--bos", action="store_true", help="prepend a beginning-of-sequence token to every input")
     a("--dropout", type=float, default=d.dropout,
       help="dropout probability, on the attention weights and on each block's outputs")
+    a("--attn-scale", choices=list(ATTENTIONS), default=d.attn_scale,
+      help="logn: multiply a query's scores by s_h log(n), n the positions it sees (BOS "
+           "included), s_h learned per head (Scalable-Softmax)")
     a("--steps", type=int, default=d.steps, help="optimizer steps")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     a("--lr", type=float, default=d.lr, help="AdamW learning rate")
@@ -1254,6 +1482,13 @@ def build_parser():
     a("--compare", action="store_true",
       help="run the comparison grid instead (norms x averaging x targets x schedule, "
            f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
+    a("--alternatives", action="store_true",
+      help="Pre-Norm with dropout, log-length scaling or BOS against Post-Norm, "
+           f"{COMPARE_SEEDS} seeds from --seed; write alternatives.md and .png")
+    a("--search", type=int, nargs="?", const=SEARCH_DEFAULT, metavar="N",
+      help=f"random search: N configurations (default {SEARCH_DEFAULT}), each trained with "
+           "Pre-Norm, Post-Norm and Pre-Norm without dropout, from --seed; write search.md "
+           "and search.png")
     return p
 
 
@@ -1271,14 +1506,29 @@ def writable_folder(path):
     return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
-def check_args(args, parser, given):
+def check_args(args, parser, given, argv=()):
     """Reject bad input up front, before any training time is spent: everything accepted
     here runs to the end."""
     bad = parser.error
     flags = lambda dests: ", ".join(sorted(f"--{d.replace('_', '-')}" for d in dests))
     language = args.task != "complement"
-    if args.save is not None and (args.theory or args.compare or args.suite):
-        bad("--save: --theory, --compare and --suite write no checkpoint")
+    grid = args.theory or args.compare or args.suite or args.alternatives or args.search
+    if args.save is not None and grid:
+        bad("--save: --theory, --compare, --suite, --alternatives and --search write no "
+            "checkpoint")
+    if "norm" in given and sum(t == "--post-norm" for t in argv) and sum(
+            t == "--norm" or t.startswith("--norm=") for t in argv):
+        bad("--post-norm: it means --norm post; give one of the two")
+    if args.bema and "ema" in given:
+        bad("--bema: it replaces the EMA; give --ema or --bema, not both")
+    fixed = {"norm", "targets", "lr_schedule", "ema", "bema", "dropout", "attn_scale", "bos"}
+    if args.alternatives and given & fixed:
+        bad(f"{flags(given & fixed)}: --alternatives sets it itself")
+    if args.search is not None and given - {"search", "seed", "device", "out"}:
+        bad(f"{flags(given - {'search', 'seed', 'device', 'out'})}: --search draws every "
+            "setting itself (it accepts --seed, --device and --out)")
+    if args.search is not None and not 1 <= args.search <= 100:
+        bad(f"--search must be a number of configurations in 1 .. 100, got {args.search}")
     if args.theory and given - {"theory", "vocab", "train_len", "out"}:
         bad(f"{flags(given - {'theory', 'vocab', 'train_len', 'out'})}: --theory uses only "
             "--vocab, --train-len and --out")
@@ -1288,8 +1538,9 @@ def check_args(args, parser, given):
     if args.suite and given - set(SUITE_MODEL) - {"suite", "seed", "device", "out"}:
         bad(f"{flags(given - set(SUITE_MODEL) - {'suite', 'seed', 'device', 'out'})}: --suite "
             "sets it itself (it accepts --seed, --device, --out and SUITE_MODEL's flags)")
-    if (args.compare or args.theory) and language:
-        bad(f"--task {args.task}: --compare and --theory use the Set Complement task only")
+    if (args.compare or args.theory or args.alternatives or args.search) and language:
+        bad(f"--task {args.task}: --compare, --theory, --alternatives and --search use the "
+            "Set Complement task only")
     if language and "vocab" in given:
         bad("--vocab: a language's vocabulary is 2 x --brackets + 1; leave --vocab out")
     if not language and given & {"brackets", "max_depth"}:
@@ -1306,9 +1557,9 @@ def check_args(args, parser, given):
     if not args.suite and args.train_len > top:
         bad(f"--train-len must be in 1 .. {top}" + (" (vocab - 1)" if not language else "") +
             f", got {args.train_len}")
-    if args.compare and args.train_len > args.vocab - 2:
-        bad(f"--train-len: --compare needs lengths beyond training, so at most vocab - 2 = "
-            f"{args.vocab - 2}; got {args.train_len}")
+    if (args.compare or args.alternatives) and args.train_len > args.vocab - 2:
+        bad(f"--train-len: --compare and --alternatives need lengths beyond training, so at "
+            f"most vocab - 2 = {args.vocab - 2}; got {args.train_len}")
     if not 0 <= args.ema < 1:
         bad(f"--ema must be in [0, 1), got {args.ema}")
     if not 0 <= args.dropout < 1:
@@ -1353,7 +1604,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     given = given_flags(parser, argv)
-    check_args(args, parser, given)
+    check_args(args, parser, given, argv)
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
     cfg = language_config(cfg) if cfg.task != "complement" else cfg
     oom = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
@@ -1368,6 +1619,10 @@ def main(argv=None):
             compare(cfg, args.out)
         elif args.suite:
             suite(cfg, args.out, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
+        elif args.alternatives:
+            alternatives(cfg, args.out)
+        elif args.search is not None:
+            search(cfg, args.out, args.search)
         else:
             run_one(cfg, args.out, args.save)
     except FloatingPointError as e:

@@ -670,6 +670,13 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys):
     (["--compare", "--post-norm"], "--norm"),
     (["--suite", "--vocab", "9"], "--vocab"),
     (["--ste", "5"], "--ste"),                   # no abbreviations: one spelling per flag
+    (["--norm", "pre", "--post-norm"], "--post-norm"),
+    (["--ema", "0.9", "--bema"], "--bema"),
+    (["--attn-scale", "cubic"], "--attn-scale"),
+    (["--alternatives", "--dropout", "0.1"], "--dropout"),
+    (["--search", "0"], "--search"),
+    (["--search", "4", "--vocab", "8"], "--vocab"),
+    (["--search", "--save", "SAVE/m.pt"], "--save"),
 ])
 def test_inputs_that_cannot_run_to_the_end_exit_2_before_training(argv, flag, capsys, tmp_path):
     out = tmp_path / "new"
@@ -1521,3 +1528,61 @@ def test_readme_prose_numbers_match_the_comparison():
     last = [r["ema"]["tvd"][-1] for r in runs if r["config"]["norm"] == "pre"
             and r["config"]["targets"] == "sampled" and r["config"]["lr_schedule"] == "constant"]
     assert f"Pre-Norm's error climbs to {sum(last) / len(last):.3f} at s = 31" in readme
+
+# ----------------------------------------------------------------------------- other remedies
+
+
+def test_log_length_scaling_multiplies_each_querys_scores_by_s_h_log_n():
+    # softmax(s_h log(n) q.k / sqrt(hs)) with n = t + 1 positions seen, by hand, one head
+    # and one query at a time.
+    model = randomize(R.Transformer(tiny(attn_scale="logn", n_head=2, bos=True)))
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.log_scale.copy_(torch.tensor([0.7, 1.3]))
+    idx = torch.tensor([[3, 0, 6, 2]])
+    _, atts = model(idx, return_attn=True)
+    x = model.blocks[0].ln_1(model.wte(torch.tensor([7, 3, 0, 6, 2])))   # BOS is token 7
+    Wq, Wk, _ = attn.c_attn.weight.split(8, dim=0)
+    for h in range(2):
+        sl = slice(4 * h, 4 * h + 4)
+        for t in range(5):
+            scores = torch.stack([(Wq[sl] @ x[t]) @ (Wk[sl] @ x[i]) / 2 for i in range(t + 1)])
+            want = torch.softmax(attn.log_scale[h] * math.log(t + 1) * scores, dim=0)
+            if t >= 1:   # BOS's own row is cut from the returned weights
+                assert torch.allclose(atts[0][0, h, t - 1, : t + 1], want, atol=1e-6)
+
+
+def test_dropout_acts_on_the_attention_weights_and_on_each_blocks_outputs():
+    model = R.Transformer(tiny(dropout=0.2, mlp=True)).train()
+    seen = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(lambda m, i, o, name=name: seen.append((name, i[0].shape)))
+    model(torch.tensor([[1, 2, 3]]))
+    assert seen == [("blocks.0.attn.drop", (1, 2, 3, 3)),   # the attention weights
+                    ("blocks.0.drop", (1, 3, 8)),            # Attn's output
+                    ("blocks.0.drop", (1, 3, 8))]            # MLP's output
+
+
+def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
+    import json
+    from dataclasses import replace
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    base = R.Config(vocab=6, train_len=3, n_embd=8, steps=3, batch_size=4, device="cpu")
+    R.alternatives(base, str(tmp_path))
+    text = (tmp_path / "alternatives.md").read_text()
+    assert all(f"| {name} | EMA 0.999 |" in text for name in R.ALTERNATIVES)
+    drawn = R.search_configs(2, 0)
+    for pre, post, no in drawn:   # the documented ranges; the three runs differ only as said
+        v = pre.vocab
+        assert 16 <= v <= 64 and math.ceil(v / 4) <= pre.train_len <= v // 2
+        assert pre.n_embd >= 2 * v - 2 and pre.n_embd % pre.n_head == 0
+        assert 3e-4 <= pre.lr <= 1e-2 and 64 <= pre.batch_size <= 512 and 0 <= pre.dropout <= 0.3
+        assert post == replace(pre, norm="post") and no == replace(pre, dropout=0.0)
+    monkeypatch.setattr(R, "search_configs", lambda n, seed: [
+        [replace(c, vocab=8, train_len=3, n_embd=12, steps=3, batch_size=4) for c in g]
+        for g in drawn[:n]])
+    R.search(base, str(tmp_path), 2)
+    summary = json.loads((tmp_path / "search.json").read_text())["summary"]
+    assert summary["configurations"] == 2 and summary["runs"] == 6
+    assert capsys.readouterr().out.isascii()
