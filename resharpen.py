@@ -10,9 +10,11 @@ Reading map. Part 1 is the paper's idea, about 400 lines: read it top to bottom.
     weights -> training -> evaluation at every length -> the main command's figures ->
     theory.md's construction, set by hand in the same model class
 Part 2 reproduces the experiments; skip it on a first reading. It plugs into Part 1 through
-two small interfaces: a task object (TASKS) and the weight averagers passed to train().
-    BEMA -> formal languages (Dyck, Shuffle) -> files -> the main command -> the comparison
-    grid -> the language suite -> the theory figure -> the command line
+small interfaces: a task object (TASKS), an attention class (ATTENTIONS) and the weight
+averagers passed to train().
+    BEMA -> formal languages (Dyck, Shuffle) -> files -> the main command (its printed table,
+    summary and loss figure) -> the comparison grid -> other remedies and a random search
+    -> the language suite -> the theory figure -> the command line
 theory.md proves what Part 1 computes; each function names its section.
 
     python resharpen.py --post-norm --ema 0.999  # the remedy (about 30 s on a laptop CPU)
@@ -20,6 +22,8 @@ theory.md proves what Part 1 computes; each function names its section.
     python resharpen.py --theory                 # theory.md's models, built by hand
     python resharpen.py --compare                # every claim, 3 seeds (about 7 minutes)
     python resharpen.py --suite                  # Dyck and Shuffle (about 5 minutes)
+    python resharpen.py --alternatives           # dropout, log-length scaling, BOS (8 minutes)
+    python resharpen.py --search                 # a paired random search (about 9 minutes)
     python resharpen.py --help                   # every flag, with its default
 Importing this file runs nothing; tests and notebooks use its pieces.
 """
@@ -349,7 +353,7 @@ def evaluate(model, n_perm=EVAL_PERMS):
         invalid = (q * seen).sum(-1)
         # KL(p* || q): sums only over the unseen tokens, where p* > 0.
         kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
-        # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 3).
+        # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 1).
         gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)
                - (logits * seen).sum(-1) / seen.sum(-1))
         # Attention entropy, mean over heads and layers; uniform attention gives the most.
@@ -844,8 +848,12 @@ def run_grid(runs, device, averages=("ema", "bema")):
             done.append((cfg, result, seconds))
             s = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
                          for a, m in result.items())
+            extra = "".join([f" dropout {cfg.dropout}" if cfg.dropout else "",
+                             " bos" if cfg.bos else "",
+                             f" {cfg.attn_scale}" if cfg.attn_scale != "none" else ""])
             print(f"[{len(done):2d}/{len(runs)}] {TASKS[cfg.task](cfg).name:13s} {cfg.norm:13s} "
-                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed} | extrapolation TVD "
+                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed}{extra} | extrapolation "
+                  "TVD "
                   f"{s} | {seconds:.0f}s | ETA {eta(done, len(runs), workers):.0f}s", flush=True)
     finally:
         if pool:
@@ -925,11 +933,11 @@ def compare_table(rows, train_len, wall, n_runs, workers):
     return "\n".join(out)
 
 
-def _band(ax, xs, curves, label, color, lw=2, zorder=2):
+def _band(ax, xs, curves, label, color, lw=2, zorder=2, ls="-"):
     mean = [sum(c) / len(c) for c in zip(*curves)]
     ax.fill_between(xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
                     color=color, alpha=0.3, lw=0, zorder=zorder)
-    ax.plot(xs, mean, color=color, lw=lw, label=label, zorder=zorder)
+    ax.plot(xs, mean, color=color, lw=lw, label=label, zorder=zorder, ls=ls)
     return mean
 
 
@@ -1083,8 +1091,10 @@ def plot_alternatives(named, cfg):
     s = list(range(1, cfg.vocab))
     colors = ["tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:gray", "tab:blue",
               "tab:cyan"]
-    for (name, results), color in zip(named.items(), colors):
+    for i, ((name, results), color) in enumerate(zip(named.items(), colors)):
         top = dict(lw=3, zorder=5) if name.startswith("post") else dict(lw=1.5, zorder=3)
+        top["ls"] = ("-", "--")[i % 2]   # dashed every other remedy: equal curves stay visible
+        top["zorder"] += i % 2
         _band(ax1, s, [r["ema"]["tvd"] for r in results], name, color, **top)
         _band(ax2, s, [[g * x for x, g in zip(s, r["ema"]["logit_gap"])] for r in results],
               None, color, **top)
@@ -1136,7 +1146,7 @@ def alternatives(base, out):
 # python resharpen.py --search N: is the effect a property of the method or of the defaults?
 
 SEARCH_THRESHOLD = 0.1   # a configuration 'trained' if both norms' training-length TVD is below
-SEARCH_DEFAULT = 8       # configurations, 3 runs each: about 10 minutes on 2 CPU cores
+SEARCH_DEFAULT = 6       # configurations, 3 runs each: about 9 minutes on 2 CPU cores
 
 
 def search_configs(n, seed):
@@ -1477,8 +1487,9 @@ def build_parser():
            "theory.png (uses only --vocab, --train-len, --out)")
     a("--suite", action="store_true",
       help="run the formal-language suite (Dyck-(2, 4), Shuffle-2; pre and post norm; "
-           f"{COMPARE_SEEDS} seeds from --seed) with SUITE_MODEL's settings (flags given "
-           "for them override them), and write suite.md and suite.png")
+           f"{COMPARE_SEEDS} seeds from --seed) with its own settings, " +
+           ", ".join(f"{k} {v}" for k, v in SUITE_MODEL.items()) + " (flags given for "
+           "them override them), and write suite.md and suite.png")
     a("--compare", action="store_true",
       help="run the comparison grid instead (norms x averaging x targets x schedule, "
            f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
