@@ -1591,3 +1591,13 @@ def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
     summary = json.loads((tmp_path / "search.json").read_text())["summary"]
     assert summary["configurations"] == 2 and summary["runs"] == 6
     assert capsys.readouterr().out.isascii()
+
+
+def test_readme_search_numbers_match_plots_search_json():
+    import json
+    h = json.loads(read("plots/search.json"))["summary"]
+    readme = " ".join(read("README.md").split())
+    assert (f"Post-Norm extrapolated better in {h['post_better']} of the {h['trained']} that "
+            f"trained") in readme
+    assert f"median ratio of extrapolation TVDs {h['ratio_quartiles'][1]:.2f}" in readme
+    assert f"draws {h['configurations']} random configurations" in readme
