@@ -15,15 +15,15 @@ averagers passed to train().
     BEMA -> formal languages (Dyck, Shuffle) -> files -> the main command (its printed table,
     summary and loss figure) -> the comparison grid -> other remedies and a random search
     -> the language suite -> the theory figure -> the command line
-theory.md proves what Part 1 computes; each function names its section.
+theory.md proves what Part 1 computes; the functions that compute its formulas name the section.
 
     python resharpen.py --post-norm --ema 0.999  # the remedy (about 30 s on a laptop CPU)
-    python resharpen.py --ema 0.999              # without it: watch the error grow
+    python resharpen.py --ema 0.999 --out runs/pre   # without it: watch the error grow
     python resharpen.py --theory                 # theory.md's models, built by hand
     python resharpen.py --compare                # every claim, 3 seeds (about 7 minutes)
     python resharpen.py --suite                  # Dyck and Shuffle (about 5 minutes)
     python resharpen.py --alternatives           # dropout, log-length scaling, BOS (8 minutes)
-    python resharpen.py --search                 # a paired random search (about 7 minutes)
+    python resharpen.py --search                 # a paired random search (about 6 minutes)
     python resharpen.py --help                   # every flag, with its default
 Importing this file runs nothing; tests and notebooks use its pieces.
 """
@@ -1147,7 +1147,7 @@ def alternatives(base, out):
 # python resharpen.py --search N: is the effect a property of the method or of the defaults?
 
 SEARCH_THRESHOLD = 0.1   # a configuration 'trained' if both norms' training-length TVD is below
-SEARCH_DEFAULT = 5       # configurations, 3 runs each: about 7 minutes on 2 CPU cores
+SEARCH_DEFAULT = 5       # configurations, 3 runs each: about 6 minutes on 2 CPU cores
 
 
 def search_configs(n, seed):
