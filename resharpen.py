@@ -1,67 +1,32 @@
-"""
-resharpen.py: "Post-Norm can Resharpen Attention" (Zsamboki et al., arXiv 2510.08341), in
-one file. The Set Complement task: given distinct tokens from a vocabulary of v, predict
-the uniform distribution over the tokens NOT given. A tiny transformer with no positions,
-trained on short inputs, runs at any length, but its attention spreads over more tokens as
-the input grows and its prediction blurs; a LayerNorm on the attention output resharpens it.
-
-Reading map. Part 1 is the paper's idea, about 400 lines: read it top to bottom.
-    configuration -> the task -> the model (where the LayerNorm sits) -> the EMA of the
-    weights -> training -> evaluation at every length -> the main command's figures ->
-    theory.md's construction, set by hand in the same model class
-Part 2 reproduces the experiments; skip it on a first reading. It plugs into Part 1 through
-small interfaces: a task object (TASKS), an attention class (ATTENTIONS) and the weight
-averagers passed to train().
-    BEMA -> formal languages (Dyck, Shuffle) -> files -> the main command (its printed table,
-    summary and loss figure) -> the comparison grid -> other remedies and a random search
-    -> the language suite -> the theory figure -> the command line
-theory.md proves what Part 1 computes; the functions that compute its formulas name the section.
-
-    python resharpen.py --post-norm --ema 0.999  # the remedy (about 30 s on a laptop CPU)
-    python resharpen.py --ema 0.999 --out runs/pre   # without it: watch the error grow
-    python resharpen.py --theory                 # theory.md's models, built by hand
-    python resharpen.py --compare                # every claim, 3 seeds (about 7 minutes)
-    python resharpen.py --suite                  # Dyck and Shuffle (about 5 minutes)
-    python resharpen.py --alternatives           # dropout, log-length scaling, BOS (8 minutes)
-    python resharpen.py --search                 # a paired random search (about 6 minutes)
-    python resharpen.py --help                   # every flag, with its default
-Importing this file runs nothing; tests and notebooks use its pieces.
+"""resharpen.py: "Post-Norm can Resharpen Attention" (Zsamboki et al., arXiv 2510.08341).
+Predict the uniform distribution over the vocabulary tokens NOT in the input. A transformer
+with no positions runs at any length, but its attention spreads as the input grows and its
+prediction blurs; a LayerNorm on the attention output resharpens it. Part 1 (to line 400) is
+the idea, top to bottom: config -> task -> model -> EMA -> training -> evaluation -> figure ->
+theory.md's construction by hand. Part 2 reproduces the experiments (skip it at first); it
+plugs in through a task object, an attention class (ATTENTIONS) and weight averagers.
+    python resharpen.py --post-norm --ema 0.999   # the remedy, about 30 s on a laptop CPU
+    python resharpen.py --help                    # every command and flag
 """
 
-import argparse
-import contextlib
 import copy
-import functools
-import hashlib
-import io
-import json
 import math
-import os
-import pickle
-import random
-import signal
-import statistics
-import sys
-import tempfile
 import time
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# ============================================================= Part 1: the paper on Set Complement
-# ------------------------------------------------------------------ configuration: every default
+# ======================================== Part 1: the paper on Set Complement (every default here)
 
 
 @dataclass
 class Config:
-    # task
-    task: str = "complement"  # a key of TASKS: 'complement' here; Part 2 adds the languages
+    task: str = "complement"  # or a formal language of Part 2: 'dyck', 'shuffle'
     vocab: int = 32           # v: tokens are 0 .. v-1
     train_len: int = 12       # train on prefixes of length s = 1 .. train_len
     targets: str = "sampled"  # 'sampled': one next token per position; 'exact': the target
-    # model
     norm: str = "pre"         # where the LayerNorm sits: see NORMS
     n_layer: int = 1
     n_head: int = 1
@@ -69,7 +34,6 @@ class Config:
     mlp: bool = False         # attention only by default, like the paper's minimal model
     bos: bool = False         # prepend a beginning-of-sequence token (a possible sink)
     dropout: float = 0.0      # on the attention weights and on each block's outputs
-    # optimization
     steps: int = 4000
     batch_size: int = 256
     lr: float = 3e-3          # constant by default: the regime where gradient noise shows
@@ -77,8 +41,7 @@ class Config:
     ema: float = 0.0          # decay of the weight EMA; 0 = off
     seed: int = 0
     device: str = "auto"
-    # read only by Part 2
-    bema: bool = False        # average with BEMA instead of the plain EMA
+    bema: bool = False        # this and the three below are read by Part 2 only: BEMA
     brackets: int = 2         # k, for the formal languages
     max_depth: int = 4        # D, for Dyck-(k, D)
     attn_scale: str = "none"  # a key of ATTENTIONS: 'logn' scales scores by s_h log n
@@ -94,9 +57,8 @@ EVAL_SEED = 1234    # the evaluation inputs never change with --seed or the mode
 EVAL_PERMS = 1000   # evaluation sample size
 EVAL_CHUNK = 2**22  # evaluate about this many numbers at a time, so memory stays bounded
 
+
 # ----------------------------------------------------------- the task (theory.md, section 1)
-
-
 class SetComplement:
     """The task as an object with four methods. Part 2's formal languages have the same
     four, so training and evaluation never ask which task they run."""
@@ -106,8 +68,7 @@ class SetComplement:
         self.vocab, self.train_len = cfg.vocab, cfg.train_len
 
     def sample(self, n, T, generator=None):
-        """n random orderings of the vocabulary, cut to T tokens: read left to right, each
-        next token is uniform on the unseen ones, a sample of its prefix's target."""
+        """n random orderings, cut to T tokens: each next token samples its prefix's target."""
         return torch.argsort(torch.rand(n, self.vocab, generator=generator), dim=1)[:, :T]
 
     def target(self, idx, dtype=torch.float):
@@ -125,11 +86,7 @@ class SetComplement:
         return sum(math.log(self.vocab - s) for s in range(1, self.train_len + 1)) / self.train_len
 
 
-TASKS = {"complement": SetComplement}   # Part 2 adds 'dyck' and 'shuffle'
-
 # ---------------------------------- the model: a tiny transformer with no positional encoding
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention, written out so that its weights can be read."""
 
@@ -148,8 +105,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
         att = self.scores(q, k)                            # (B, nh, T, T)
-        # Causal mask only, no positions: the last token sees its prefix as a set, which
-        # is why one model runs at every length (theory.md, section 1).
+        # Causal mask, no positions: the last token sees its prefix as a set (theory.md, 1).
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = self.drop(att) @ v                             # (B, nh, T, hs): the average
@@ -232,9 +188,8 @@ class Transformer(nn.Module):
             logits, atts = logits[:, 1:], [a[:, :, 1:] for a in atts]
         return (logits, atts) if return_attn else logits
 
+
 # ------------------------------------------------ an EMA of the weights (theory.md, section 6)
-
-
 class EMA:
     """A shadow copy of the parameters, averaged after every optimizer step (decay omega):
         avg_t = (1 - beta_t) avg_{t-1} + beta_t theta_t,   beta_t = (1 - omega) / (1 - omega^t)
@@ -251,8 +206,9 @@ class EMA:
     @torch.no_grad()
     def update(self, model):
         self.t += 1
+        beta = self.beta(self.t)
         for s, p in zip(self.shadow, model.parameters()):
-            s.lerp_(p, self.beta(self.t))  # s + beta_t * (p - s)
+            s.lerp_(p, beta)  # s + beta_t * (p - s)
 
     def averaged(self):   # the weights to evaluate
         return self.shadow
@@ -266,9 +222,8 @@ def averaged_copy(model, averager):
         p.copy_(a)
     return model
 
+
 # -------------------------------------------------------------------------------------- training
-
-
 def pick_device(name):
     """'auto': a CUDA GPU, else Apple's MPS, else the CPU."""
     if name != "auto":
@@ -284,11 +239,10 @@ def learning_rate(cfg, step):
     return cfg.lr
 
 
-def train(cfg, log=print, averagers=None):
-    """Train on cfg's task. Returns (model, averagers, losses): the model holds the last
-    weights; each function model -> averager in `averagers` (default: cfg.ema's EMA) makes
-    an average, updated every step, that never feeds back into training."""
-    task, device = TASKS[cfg.task](cfg), pick_device(cfg.device)
+def train(cfg, log=print, averagers=None, task=None):
+    """Train on the task (default Set Complement). Returns (model, averagers, losses): the
+    last weights, and one average per function in `averagers` (default: cfg.ema's EMA)."""
+    task, device = task or SetComplement(cfg), pick_device(cfg.device)
     torch.manual_seed(cfg.seed)                      # the initialization
     gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
     model = Transformer(cfg).to(device)
@@ -296,7 +250,7 @@ def train(cfg, log=print, averagers=None):
     default = [lambda m: EMA(m, cfg.ema)] if cfg.ema > 0 else []
     averagers = [make(model) for make in (default if averagers is None else averagers)]
     losses, floor = [], task.loss_floor()
-    t_last, step_last, every = time.time(), 0, max(1, cfg.steps // 8)
+    t0, every = time.time(), max(1, cfg.steps // 8)
     for step in range(1, cfg.steps + 1):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
@@ -307,19 +261,16 @@ def train(cfg, log=print, averagers=None):
             loss = -(task.target(x) * logp).sum(-1).mean()
         else:
             loss = F.nll_loss(logp.reshape(-1, cfg.vocab), y.reshape(-1))
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss became {loss.item()} at step {step}")
+        losses.append(loss.item())   # the step's one wait for the device
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"the loss became {losses[-1]} at step {step}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         for avg in averagers:
             avg.update(model)
-        losses.append(loss.item())
         if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):   # early, then 8x
-            now = time.time()
-            rate = (step - step_last) / max(now - t_last, 1e-9)
-            t_last, step_last = now, step
-            recent = losses[-min(every, step):]
+            rate, recent = step / max(time.time() - t0, 1e-9), losses[-every:]
             log(f"step {step:5d}/{cfg.steps} | loss {sum(recent) / len(recent):.4f} (floor "
                 f"{floor:.4f}) | {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
     weights = list(model.parameters()) + [w for a in averagers for w in a.averaged()]
@@ -327,15 +278,15 @@ def train(cfg, log=print, averagers=None):
         raise FloatingPointError(f"the weights became NaN or infinite by step {cfg.steps}")
     return model, averagers, losses
 
+
 # ------------------------------------------- evaluation at every length (theory.md, sections 3-5)
-
-
 @torch.no_grad()
-def evaluate(model, n_perm=EVAL_PERMS):
-    """Metrics at every prefix length s = 1 .. v-1, averaged over n_perm fixed inputs: one
-    pass over a whole permutation gives every length; chunks of inputs bound the memory."""
+def evaluate(model, n_perm=EVAL_PERMS, task=None):
+    """Metrics at every prefix length s = 1 .. v-1 of the task (default Set Complement),
+    averaged over n_perm fixed inputs: one pass over a whole permutation gives every length;
+    chunks of inputs bound the memory."""
     cfg, was_training, device = model.cfg, model.training, next(model.parameters()).device
-    task = TASKS[cfg.task](cfg)
+    task = task or SetComplement(cfg)
     model.eval()
     idx = task.eval_inputs(n_perm)                             # (N, T), on the CPU
     N, T = idx.shape   # below: rows per chunk, for about EVAL_CHUNK numbers per chunk
@@ -360,9 +311,8 @@ def evaluate(model, n_perm=EVAL_PERMS):
         # Attention entropy, mean over heads and layers; uniform attention gives the most.
         att = torch.stack(atts).cpu().double()                 # (L, n, nh, T, T)
         ent = -(att * att.clamp_min(1e-300).log()).sum(-1).mean(dim=(0, 2))   # (n, T)
-        for key, m in zip(("tvd", "invalid_mass", "kl", "logit_gap", "attn_entropy"),
-                          (tvd, invalid, kl, gap, ent)):
-            total[key] = total.get(key, 0) + m.sum(0)         # summed over the rows
+        batch = dict(tvd=tvd, invalid_mass=invalid, kl=kl, logit_gap=gap, attn_entropy=ent)
+        total = {key: total.get(key, 0) + m.sum(0) for key, m in batch.items()}   # row sums
     model.train(was_training)
     lengths = list(range(1, T + 1))
     return {"length": lengths, **{key: [float(x) / N for x in m] for key, m in total.items()},
@@ -370,8 +320,6 @@ def evaluate(model, n_perm=EVAL_PERMS):
 
 
 # ------------------------------- the main command's figures (matplotlib's object API: no screen)
-
-
 def new_figure(ncols=1):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(5.2 * ncols, 3.8), layout="constrained")
@@ -400,8 +348,6 @@ def plot_length(metrics, cfg, raw=None, average="EMA"):
 
 
 # ----------------------------- theory.md's construction, by hand, in the model class that trains
-
-
 def hand_built(vocab, norm, gamma=1.0):
     """One layer, one head, n_embd = 2v, no MLP, float64, and
       W_Q = W_K = 0          every score is 0, so attention is uniform over the prefix
@@ -410,11 +356,9 @@ def hand_built(vocab, norm, gamma=1.0):
       U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
     The readout never sees the second half, so the logit bias B = E U = 0 (theory.md, 1).
     nn.Linear stores W as (out, in); theory.md's row vectors multiply its transpose."""
-    v, n = vocab, 2 * vocab
-    # float64 throughout, so that TVDs far below float32's 1e-7 are computed exactly
+    v, n = vocab, 2 * vocab   # float64, so that TVDs far below 1e-7 are exact
     model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
-    attn = model.blocks[0].attn
-    eye = lambda k: torch.eye(k, dtype=torch.double)
+    attn, eye = model.blocks[0].attn, lambda k: torch.eye(k, dtype=torch.double)
     with torch.no_grad():
         for p in model.parameters():   # LayerNorms keep gain 1 and bias 0
             if p.dim() == 2:
@@ -428,29 +372,43 @@ def hand_built(vocab, norm, gamma=1.0):
 
 def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
     """theory.md, sections 3 and 5: logit of an unseen token minus logit of a seen one, at
-    length s, for hand_built(vocab, norm, gamma). The attention average of the values is
-    u_bar = 1_t / s - 1/v (1 on the seen tokens), whose seen-unseen difference is 1/s; each
-    LayerNorm divides it by the standard deviation of what that norm sees (eps: LN's)."""
+    length s, for hand_built(vocab, norm, gamma). The values' average u_bar = 1_t / s - 1/v has
+    seen-unseen difference 1/s; each LayerNorm divides by the spread of what it sees."""
     n = 2 * vocab
     var_1 = (n - 1) / n**2 + eps   # the input LN (pre, pre-final) sees one token e_(v+x)
     if norm == "pre":
         return gamma / (s * math.sqrt(var_1))
-    if norm == "pre-final":        # the final LN sees that token plus h / sqrt(var_1)
+    if norm == "pre-final":        # the final LN sees that token plus u_bar / sqrt(var_1)
         var_f = (1 + (1 / s - 1 / vocab) / var_1) / n - 1 / n**2
         return gamma / (s * math.sqrt(var_1) * math.sqrt(var_f + eps))
-    var = {"post": (1 / s - 1 / vocab) / n,                          # only h: shrinks with s
-           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + h
+    var = {"post": (1 / s - 1 / vocab) / n,                          # u_bar alone: shrinks
+           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + u_bar
            }[norm]
     return gamma / (s * math.sqrt(var + eps))
 
 
 def predicted_tvd(vocab, s, margin):
-    """theory.md, section 3: with balanced logits the TVD equals the invalid mass,
-    s e^-m / (s e^-m + v - s)."""
+    """theory.md, 3: with balanced logits, TVD = invalid mass = s e^-m / (s e^-m + v - s)."""
     return s / (s + (vocab - s) * math.exp(margin))
 
 
 # ======================================= Part 2: what reproduces the experiments (skip at first)
+
+import argparse  # noqa: E402  (Part 2's own imports, here so that Part 1 reads alone)
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import hashlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pickle  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from dataclasses import asdict, astuple, replace  # noqa: E402
+
 # ----------------------------------------------------------------------------- BEMA
 
 
@@ -580,7 +538,12 @@ class Language:
         return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
 
 
-TASKS.update(dyck=Language, shuffle=Language)
+TASKS = {"complement": SetComplement, "dyck": Language, "shuffle": Language}
+
+
+def make_task(cfg):
+    """The task object cfg names, for train() and evaluate()."""
+    return TASKS[cfg.task](cfg)
 
 # ----------------------------------------------------------------------------- files
 # Every file is written to its own temporary name in the target folder, then renamed: a
@@ -739,16 +702,16 @@ def finite(metrics):
 
 def run_one(cfg, out, save=None):
     """The default command: train, evaluate, print the table, write metrics and figures."""
-    task = TASKS[cfg.task](cfg)
+    task = make_task(cfg)
     print(f"{task.name}: v={cfg.vocab}, train lengths 1..{cfg.train_len}, norm={cfg.norm} "
           f"[{NORMS[cfg.norm]}], averaging={average_name(cfg)}, targets={cfg.targets}, "
           f"lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, device={pick_device(cfg.device)}")
     t0 = time.time()
-    model, averagers, losses = train(cfg, averagers=averagers_for(cfg))
+    model, averagers, losses = train(cfg, averagers=averagers_for(cfg), task=task)
     train_time = time.time() - t0
-    metrics = raw = evaluate(model)
+    metrics = raw = evaluate(model, task=task)
     if averagers:
-        metrics = evaluate(averaged_copy(model, averagers[0]))
+        metrics = evaluate(averaged_copy(model, averagers[0]), task=task)
     else:
         raw = None
     if not (finite(metrics) and (raw is None or finite(raw))):
@@ -818,9 +781,12 @@ def compare_one(cfg, averages=("ema", "bema"), threads=None):
     if threads:
         torch.set_num_threads(threads)
     t0 = time.time()
-    model, avgs, _ = train(cfg, log=lambda *a: None, averagers=[AVERAGERS[a] for a in averages])
-    result = {"raw": evaluate(model)}
-    result.update({a: evaluate(averaged_copy(model, avg)) for a, avg in zip(averages, avgs)})
+    task = make_task(cfg)
+    model, avgs, _ = train(cfg, log=lambda *a: None, averagers=[AVERAGERS[a] for a in averages],
+                           task=task)
+    result = {"raw": evaluate(model, task=task)}
+    result.update({a: evaluate(averaged_copy(model, avg), task=task)
+                   for a, avg in zip(averages, avgs)})
     if not all(finite(m) for m in result.values()):
         raise FloatingPointError(f"the metrics of {cfg} are not finite")
     return cfg, result, time.time() - t0
@@ -852,7 +818,7 @@ def run_grid(runs, device, averages=("ema", "bema")):
             extra = "".join([f" dropout {cfg.dropout}" if cfg.dropout else "",
                              " bos" if cfg.bos else "",
                              f" {cfg.attn_scale}" if cfg.attn_scale != "none" else ""])
-            print(f"[{len(done):2d}/{len(runs)}] {TASKS[cfg.task](cfg).name:13s} {cfg.norm:13s} "
+            print(f"[{len(done):2d}/{len(runs)}] {make_task(cfg).name:13s} {cfg.norm:13s} "
                   f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed}{extra} | extrapolation "
                   "TVD "
                   f"{s} | {seconds:.0f}s | ETA {eta(done, len(runs), workers):.0f}s", flush=True)
@@ -1288,7 +1254,7 @@ def suite_table(done, wall, workers):
     for lang in SUITE_LANGUAGES:
         for norm in ("pre", "post"):
             runs = [(c, r) for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
-            name = TASKS[runs[0][0].task](runs[0][0]).name
+            name = make_task(runs[0][0]).name
             for avg in ("raw", "ema"):
                 ms = [r[avg] for _, r in runs]
                 sums = [summarize(m, L) for m in ms]
@@ -1316,7 +1282,7 @@ def plot_suite(done):
             _band(ax, xs, [r["ema"]["tvd"] for r in runs], f"{norm}, EMA {COMPARE_EMA}",
                   COLORS[norm], zorder=3 + (norm == "post"))
         ax.set(xlabel="position", ylabel="TVD to the exact next-token distribution",
-               title=TASKS[cfg.task](cfg).name, ylim=(0, None))
+               title=make_task(cfg).name, ylim=(0, None))
         ax.legend(fontsize=7, loc="upper left")
     return fig
 
