@@ -1139,10 +1139,17 @@ def search_configs(n, seed):
     return configs
 
 
+SEARCH_AVERAGE = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}   # drawn EMA decay -> its weights
+
+
+def search_tvd(results, cfg, what):
+    """A run's 'tvd_train' or 'tvd_extrap', with the weights its drawn EMA decay names."""
+    return summarize(results[astuple(cfg)][SEARCH_AVERAGE[cfg.ema]], cfg.train_len)[what]
+
+
 def search_summary(configs, results):
-    """The search's headline numbers, from {cfg: result}."""
-    key = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}
-    tvd = lambda cfg, what: summarize(results[astuple(cfg)][key[cfg.ema]], cfg.train_len)[what]
+    """The search's headline numbers, from {astuple(cfg): result}."""
+    tvd = functools.partial(search_tvd, results)
     trained = [(pre, post) for pre, post, _ in configs
                if max(tvd(pre, "tvd_train"), tvd(post, "tvd_train")) < SEARCH_THRESHOLD]
     ratios = sorted(tvd(pre, "tvd_extrap") / tvd(post, "tvd_extrap") for pre, post in trained)
@@ -1164,8 +1171,7 @@ def search_summary(configs, results):
 
 def plot_search(configs, results):
     """search.png: Pre-Norm against Post-Norm extrapolation TVD per configuration, log-log."""
-    key = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}
-    tvd = lambda cfg, what: summarize(results[astuple(cfg)][key[cfg.ema]], cfg.train_len)[what]
+    tvd = functools.partial(search_tvd, results)
     fig, ax = new_figure()
     points = [(tvd(pre, "tvd_extrap"), tvd(post, "tvd_extrap")) for pre, post, _ in configs]
     for (pre, post, _), (x, y) in zip(configs, points):
@@ -1188,18 +1194,16 @@ def search(base, out, n):
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema99", "ema"))
     results = {astuple(c): r for c, r, _ in done}
     h = search_summary(configs, results)
-    key = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}
+    tvd = functools.partial(search_tvd, results)
     rows = ["| # | v | train len | heads | width | lr | batch | steps | dropout | EMA | "
             "pre: train, extrap | post: train, extrap | pre without dropout: extrap |",
             "|---" * 13 + "|"]
     for i, (pre, post, no) in enumerate(configs):
-        t = lambda c: summarize(results[astuple(c)][key[c.ema]], c.train_len)
         rows.append(f"| {i} | {pre.vocab} | {pre.train_len} | {pre.n_head} | {pre.n_embd} | "
                     f"{pre.lr:.2g} | {pre.batch_size} | {pre.steps} | {pre.dropout} | "
-                    f"{pre.ema or 'none'} | {t(pre)['tvd_train']:.3f}, "
-                    f"{t(pre)['tvd_extrap']:.3f} | "
-                    f"{t(post)['tvd_train']:.3f}, {t(post)['tvd_extrap']:.3f} | "
-                    f"{t(no)['tvd_extrap']:.3f} |")
+                    f"{pre.ema or 'none'} | {tvd(pre, 'tvd_train'):.3f}, "
+                    f"{tvd(pre, 'tvd_extrap'):.3f} | {tvd(post, 'tvd_train'):.3f}, "
+                    f"{tvd(post, 'tvd_extrap'):.3f} | {tvd(no, 'tvd_extrap'):.3f} |")
     q = [f"{x:.2f}" if x is not None else "n/a" for x in h["ratio_quartiles"]]
     text = (f"Written by `python resharpen.py --search {n}` (seed {base.seed}; ranges in "
             f"`search_configs`).\n\n"
