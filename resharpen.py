@@ -1081,12 +1081,12 @@ def alternatives(base, out):
     names = list(ALTERNATIVES)
     runs = [cfg for name in names for cfg in alternative_runs(base, ALTERNATIVES[name])]
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
-    named = {name: [r for c, r, _ in done if c in alternative_runs(base, ALTERNATIVES[name])]
-             for name in names}
+    k = COMPARE_SEEDS   # run_grid returns the runs in grid order: k seeds per remedy
+    named = {name: [r for _, r, _ in done[i * k:(i + 1) * k]] for i, name in enumerate(names)}
     extrap = {n: sum(summarize(r["ema"], base.train_len)["tvd_extrap"] for r in rs) / len(rs)
               for n, rs in named.items()}
     best = min((n for n in names if n not in ("pre", "post")), key=extrap.get)
-    note = f"No other remedy beat plain Pre-Norm beyond the training lengths (EMA weights)."
+    note = "No other remedy beat plain Pre-Norm beyond the training lengths (EMA weights)."
     if extrap[best] < extrap["pre"] - 0.005:   # helps: lower by more than rounding
         name = "post + " + best.split(" + ", 1)[1]
         changes = {**ALTERNATIVES[best], "norm": "post"}
