@@ -11,8 +11,15 @@ plugs in through a task object, an attention class (ATTENTIONS) and weight avera
 
 import copy
 import math
+import os
 import time
 from dataclasses import dataclass
+
+if __name__ == "__main__":   # before torch starts its OpenMP threads (README, "Threads"):
+    # idle threads spin only briefly before they sleep, so that two runs sharing the cores
+    # do not wait on each other's spinning threads (measured on 2 cores: 41 s each for two
+    # runs at once instead of 481 s; 26 s alone, as before). Set it yourself to override.
+    os.environ.setdefault("GOMP_SPINCOUNT", "400")
 
 import torch
 import torch.nn as nn
@@ -400,7 +407,6 @@ import functools  # noqa: E402
 import hashlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import pickle  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
@@ -761,19 +767,17 @@ COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
           "post-residual": "tab:purple"}
 
 
-def compare_grid(base):
-    """Every run of the comparison. Each run trains once and is evaluated with its raw,
-    EMA and BEMA weights: the averages never feed back into training, so 'EMA off' is
-    exactly the raw weights of the same run."""
+REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
+           ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
+
+
+def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES):
+    """Every run of the comparison: each placement in each regime, COMPARE_SEEDS seeds. Each
+    run trains once and is evaluated with its raw, EMA and BEMA weights: the averages never
+    feed back into training, so 'EMA off' is exactly the raw weights of the same run."""
     seeds = [base.seed + i for i in range(COMPARE_SEEDS)]
-    sampled = dict(targets="sampled", lr_schedule="constant", ema=0.0, bema=False)
-    runs = [replace(base, norm=n, seed=s, **sampled) for n in NORMS for s in seeds]
-    for targets in ("sampled", "exact"):          # where the noise comes from (post-norm)
-        for schedule in ("constant", "cosine"):
-            if (targets, schedule) != ("sampled", "constant"):   # that one is above
-                runs += [replace(base, norm="post", targets=targets, lr_schedule=schedule,
-                                 ema=0.0, bema=False, seed=s) for s in seeds]
-    return runs
+    return [replace(base, norm=n, targets=t, lr_schedule=sch, ema=0.0, bema=False, seed=s)
+            for t, sch in regimes for n in norms for s in seeds]
 
 
 def compare_one(cfg, averages=("ema", "bema"), threads=None):
@@ -792,6 +796,13 @@ def compare_one(cfg, averages=("ema", "bema"), threads=None):
     return cfg, result, time.time() - t0
 
 
+def usable_cores():
+    """The cores this process may run on (taskset, containers), not all the machine has."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def _ignore_ctrl_c():
     """Worker processes leave Ctrl-C to the main process, which stops them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -800,7 +811,7 @@ def _ignore_ctrl_c():
 def run_grid(runs, device, averages=("ema", "bema")):
     """Train and evaluate every run: on every CPU core at once (one thread each), or one
     at a time on a GPU, with a progress line per run. Returns (results, wall, workers)."""
-    workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
+    workers = min(usable_cores(), len(runs)) if device == "cpu" else 1
     print(f"{len(runs)} training runs on {device}, {workers} at a time", flush=True)
     t0, done = time.time(), []
     if workers > 1:
@@ -845,11 +856,11 @@ def compare_rows(runs):
     return rows
 
 
-def mean_sd(values):
+def mean_sd(values, digits=3):
     """'mean +- sample standard deviation', for the tables."""
     mean = sum(values) / len(values)
     sd = math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
-    return f"{mean:.3f} +- {sd:.3f}"
+    return f"{mean:.{digits}f} +- {sd:.{digits}f}"
 
 
 def gap_laws(v):
@@ -862,41 +873,98 @@ def gap_laws(v):
              lambda s, g: g * math.sqrt(s * (v - s)) / v)]
 
 
-def compare_table(rows, train_len, wall, n_runs, workers):
-    def line(key):
-        sums = [summarize(m, train_len) for m in rows[key]]
-        return " | ".join(mean_sd([s[k] for s in sums]) for k in ("tvd_train", "tvd_extrap",
-                                                                   "tvd_last"))
-    head = "| TVD, training lengths | TVD, extrapolation | TVD at the longest length |"
-    sep = "|---" * 5 + "|"
-    out = ["### Where the norm sits (sampled targets, constant learning rate)", "",
-           "| norm | weight average " + head, sep]
-    for norm in NORMS:
-        for avg in AVERAGES:
-            key = (norm, "sampled", "constant", avg)
-            out.append(f"| `{norm}` | {AVERAGE_LABELS[avg]} | {line(key)} |")
-    out += ["", "### Where the noise comes from (`post` norm)", "",
-            "| targets, schedule | weight average " + head, sep]
-    for targets in ("sampled", "exact"):
-        for schedule in ("constant", "cosine"):
+def columns(L, v):
+    """The comparison's columns, fixed before any run (README, "Protocol"): mean TVD over the
+    training lengths; TVD at 1.5, 2 and 4 times the longest training length L (where that
+    length exists, s <= v - 1); mean TVD over every longer length; TVD at s = v - 1."""
+    cols = [("training lengths", lambda m: summarize(m, L)["tvd_train"])]
+    for r in (1.5, 2, 4):
+        s = round(r * L)
+        if L < s <= v - 1:
+            cols.append((f"s = {s} ({r:g} L)", lambda m, s=s: m["tvd"][s - 1]))
+    return cols + [(f"mean, s = {L + 1}..{v - 1}", lambda m: summarize(m, L)["tvd_extrap"]),
+                   (f"s = {v - 1}", lambda m: m["tvd"][-1])]
+
+
+def crossover(post, rival):
+    """The shortest length from which post's TVD (mean over seeds) is below rival's at every
+    longer length; None if it is not below at the longest."""
+    mean = lambda runs: [sum(c) / len(c) for c in zip(*[m["tvd"] for m in runs])]
+    a, b, start = mean(post), mean(rival), None
+    for s in range(len(a), 0, -1):
+        if a[s - 1] >= b[s - 1]:
+            break
+        start = s
+    return start
+
+
+def compare_summary(rows, L, v, norms, regimes):
+    """Every number of the comparison's tables, for compare.json and the README's tests:
+    {regime: {norm: {average: {column: [one value per seed]}}, 'crossover': {average: s}}}."""
+    out = {}
+    for t, sch in regimes:
+        r = out[f"{t}, {sch}"] = {}
+        for norm in norms:
+            r[norm] = {avg: {name: [f(m) for m in rows[(norm, t, sch, avg)]]
+                             for name, f in columns(L, v)} for avg in AVERAGES}
+        if {"post", "pre-final"} <= set(norms):
+            r["crossover"] = {avg: crossover(rows[("post", t, sch, avg)],
+                                             rows[("pre-final", t, sch, avg)])
+                              for avg in AVERAGES}
+    return out
+
+
+def compare_table(summary, L, v, norms, wall, n_runs, workers, laws=None):
+    """Markdown: the headline (placements x regimes, EMA weights), then every regime in full."""
+    mean = lambda xs: sum(xs) / len(xs)
+    two = f"s = {round(2 * L)} (2 L)"
+    regimes = list(summary)
+    out = [f"### Headline: TVD on the training lengths / at 2 L = {2 * L} (EMA {COMPARE_EMA}, "
+           f"mean of {COMPARE_SEEDS} seeds)", "",
+           "| placement | " + " | ".join(regimes) + " |", "|---" * (len(regimes) + 1) + "|"]
+    for norm in norms:
+        cells = [f"{mean(summary[r][norm]['ema']['training lengths']):.4f} / "
+                 f"{mean(summary[r][norm]['ema'][two]):.4f}" for r in regimes]
+        out.append(f"| `{norm}` | " + " | ".join(cells) + " |")
+    if "post" in norms and "pre-final" in norms:
+        cross = [summary[r]["crossover"]["ema"] for r in regimes]
+        out.append("| `post` below `pre-final` from s = | " +
+                   " | ".join(str(c) if c else "never" for c in cross) + " |")
+    names = [name for name, _ in columns(L, v)]
+    for r in regimes:
+        out += ["", f"### {r} (TVD, mean +- sd over seeds)", "",
+                "| placement | weights | " + " | ".join(names) + " |",
+                "|---" * (len(names) + 2) + "|"]
+        for norm in norms:
             for avg in AVERAGES:
-                out.append(f"| {targets}, {schedule} | {AVERAGE_LABELS[avg]} | "
-                           f"{line(('post', targets, schedule, avg))} |")
-    out += ["", "### The laws of theory.md, sections 3 to 5, on the trained models (EMA weights)",
-            "",
-            "| norm | quantity, over s = 1 .. v-1 | theory says | min | max |", "|---" * 5 + "|"]
-    v = len(rows[("pre", "sampled", "constant", "ema")][0]["length"]) + 1
+                vals = summary[r][norm][avg]
+                out.append(f"| `{norm}` | {AVERAGE_LABELS[avg]} | " +
+                           " | ".join(mean_sd(vals[n], 4) for n in names) + " |")
+        if "crossover" in summary[r]:
+            out += ["", "`post` below `pre-final` at every length from s = " + ", ".join(
+                f"{summary[r]['crossover'][a] or 'never'} ({AVERAGE_LABELS[a]})"
+                for a in AVERAGES) + "."]
+    if laws:
+        out += ["", laws]
+    out += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
+            f"{wall:.0f} s wall in {workers} worker process(es)."]
+    return "\n".join(out)
+
+
+def laws_table(rows, v):
+    """theory.md's laws on the trained models (sampled targets, constant rate, EMA weights)."""
+    out = ["### The laws of theory.md on the trained models (sampled, constant; EMA weights)",
+           "", "| norm | quantity, over s = 1 .. v-1 | theory says | min | max |",
+           "|---" * 5 + "|"]
     for norm, what, says, law in gap_laws(v):
         runs = rows[(norm, "sampled", "constant", "ema")]
         vals = [law(s, g) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
         out.append(f"| `{norm}` | {what} | {says} | {min(vals):.3f} | {max(vals):.3f} |")
-    for norm in ("pre", "post"):
+    for norm in ("pre", "pre-final", "post"):
         runs = rows[(norm, "sampled", "constant", "ema")]
         vals = [h - u for m in runs for h, u in zip(m["attn_entropy"], m["log_positions"])]
         out.append(f"| `{norm}` | attention entropy - log s | 0: uniform attention | "
                    f"{min(vals):.3f} | {max(vals):.3f} |")
-    out += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
-            f"{wall:.0f} s wall in {workers} worker process(es)."]
     return "\n".join(out)
 
 
@@ -978,22 +1046,63 @@ def plot_compare_noise(rows, cfg):
     return fig
 
 
-def compare(base, out):
-    """python resharpen.py --compare: the grid, then compare.md, compare.json, 3 figures."""
-    done, wall, workers = run_grid(compare_grid(base), pick_device(base.device))
-    rows = compare_rows(done)
-    table = compare_table(rows, base.train_len, wall, len(done), workers)
+def plot_regimes(rows, cfg, norms, regimes):
+    """compare_regimes.png, long.png: TVD against length, one panel per regime, one curve per
+    placement (EMA weights; mean and min-max band over seeds), log scale: 0.003 and 0.3 both
+    show."""
+    fig, axes = new_figure(len(regimes))
+    fig.set_size_inches(3.6 * len(regimes), 3.9)
+    s, L = list(range(1, cfg.vocab)), cfg.train_len
+    for ax, (t, sch) in zip(axes, regimes):
+        ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths")
+        for norm in norms:
+            top = dict(lw=2.5, zorder=5) if norm == "post" else dict(lw=1.5, zorder=3)
+            _band(ax, s, [m["tvd"] for m in rows[(norm, t, sch, "ema")]], norm, COLORS[norm],
+                  **top)
+        for r in (2, 4):
+            if r * L <= cfg.vocab - 1:
+                ax.axvline(r * L, color="k", lw=0.6, ls=":")
+        ax.set(xlabel="prefix length s", title=f"{t} targets, {sch} lr", yscale="log",
+               ylim=(1e-4, 1), xlim=(0.5, cfg.vocab - 0.5))
+    axes[0].set_ylabel("TVD to the exact target (log)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center",
+               ncol=len(norms) + 1, fontsize=8)
+    return fig
+
+
+LONG_MODEL = dict(vocab=64, train_len=15, n_embd=128)   # tested to s = 63 = 4.2 x 15
+LONG_NORMS = ("pre", "pre-final", "post")
+LONG_REGIMES = (("sampled", "constant"), ("exact", "cosine"))   # the noisiest, the quietest
+
+
+def compare(base, out, long=False):
+    """python resharpen.py --compare: every placement in every regime, 3 seeds; writes
+    compare.md, compare.json and 4 figures. With long=True (--long): LONG_MODEL's larger
+    vocabulary, three placements, two regimes; writes long.md, long.json, long.png."""
+    norms, regimes, name = tuple(NORMS), REGIMES, "compare"
+    if long:
+        base, norms, regimes, name = replace(base, **LONG_MODEL), LONG_NORMS, LONG_REGIMES, "long"
+    done, wall, workers = run_grid(compare_grid(base, norms, regimes), pick_device(base.device))
+    rows, L, v = compare_rows(done), base.train_len, base.vocab
+    summary = compare_summary(rows, L, v, norms, regimes)
+    table = compare_table(summary, L, v, norms, wall, len(done), workers,
+                          None if long else laws_table(rows, v))
     print("\n" + table)
-    md = (f"Written by `python resharpen.py --compare` (v={base.vocab}, train lengths "
-          f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}"
-          f").\n\n{table}\n")
-    files = {"compare.md": md.encode("utf-8"),
-             "compare_norms.png": figure_bytes(plot_compare_norms(rows, base)),
-             "compare_dispersion.png": figure_bytes(plot_compare_dispersion(rows, base)),
-             "compare_noise.png": figure_bytes(plot_compare_noise(rows, base))}
-    record = {"config": asdict(base), "wall_seconds": round(wall, 1),
+    md = (f"Written by `python resharpen.py --{name}` (v={v}, train lengths 1..{L}, width "
+          f"{base.n_embd}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}).\n\n"
+          f"{table}\n")
+    if long:
+        files = {"long.md": md.encode("utf-8"),
+                 "long.png": figure_bytes(plot_regimes(rows, base, norms, regimes))}
+    else:
+        files = {"compare.md": md.encode("utf-8"),
+                 "compare_regimes.png": figure_bytes(plot_regimes(rows, base, norms, regimes)),
+                 "compare_norms.png": figure_bytes(plot_compare_norms(rows, base)),
+                 "compare_dispersion.png": figure_bytes(plot_compare_dispersion(rows, base)),
+                 "compare_noise.png": figure_bytes(plot_compare_noise(rows, base))}
+    record = {"config": asdict(base), "wall_seconds": round(wall, 1), "summary": summary,
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
-    written = write_outputs(out, files, "compare.json", record)
+    written = write_outputs(out, files, f"{name}.json", record)
     print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
 # ----------------------------------------------------------------------------- alternatives
@@ -1112,116 +1221,194 @@ def alternatives(base, out):
 # ----------------------------------------------------------------------------- search
 # python resharpen.py --search N: is the effect a property of the method or of the defaults?
 
-SEARCH_THRESHOLD = 0.1   # a configuration 'trained' if both norms' training-length TVD is below
-SEARCH_DEFAULT = 5       # configurations, 3 runs each: about 6 minutes on 2 CPU cores
+SEARCH_N = 40            # the pre-registered size of the committed search (README, "Protocol")
+SEARCH_DEFAULT = 4       # a reader's quick version: 12 runs, a few minutes on 2 cores
+SEARCH_ARMS = ("pre", "pre-final", "post")   # trained from the same seed: paired
+SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subgroups
 
 
 def search_configs(n, seed):
-    """n random configurations, each as three runs from the same seed: Pre-Norm, Post-Norm
-    (the paired comparison) and Pre-Norm without dropout (the paired dropout effect).
-    Ranges: vocabulary 16..64; training length v/4..v/2; 1..4 heads; width the smallest
-    multiple of the heads >= 2v - 2 (theory.md, section 2); lr log-uniform 3e-4..1e-2;
-    batch log-uniform 64..512; 1000..4000 steps; dropout uniform 0..0.3; the EMA decay
-    that counts for the comparison drawn from 0 (raw weights), 0.99, 0.999."""
+    """n random configurations, each trained three times from the same seed, once per arm.
+    Ranges: vocabulary 16..64; longest training length v/4 .. (v-1)/2 (so that 2 L is a test
+    length); 1..4 heads; width the smallest multiple of the heads >= 2v - 2 (theory.md,
+    Appendix A); lr log-uniform 3e-4..1e-2; batch log-uniform 64..256; 1000..4000 steps;
+    sampled targets, constant learning rate, no dropout."""
     g = random.Random(seed)
     configs = []
     for i in range(n):
         v = g.randint(16, 64)
         heads = g.randint(1, 4)
-        base = Config(vocab=v, train_len=g.randint(math.ceil(v / 4), v // 2), n_head=heads,
-                      n_embd=heads * math.ceil((2 * v - 2) / heads),
+        base = Config(vocab=v, train_len=g.randint(math.ceil(v / 4), (v - 1) // 2),
+                      n_head=heads, n_embd=heads * math.ceil((2 * v - 2) / heads),
                       lr=round(10 ** g.uniform(math.log10(3e-4), -2), 6),
-                      batch_size=round(2 ** g.uniform(6, 9)), steps=g.randint(1000, 4000),
-                      dropout=round(g.uniform(0, 0.3), 3), ema=g.choice([0.0, 0.99, 0.999]),
+                      batch_size=round(2 ** g.uniform(6, 8)), steps=g.randint(1000, 4000),
                       seed=seed + i)
-        configs.append([replace(base, norm="pre"), replace(base, norm="post"),
-                        replace(base, norm="pre", dropout=0.0)])
+        configs.append([replace(base, norm=arm) for arm in SEARCH_ARMS])
     return configs
 
 
-SEARCH_AVERAGE = {0.0: "raw", 0.99: "ema99", 0.999: "ema"}   # drawn EMA decay -> its weights
+def wilson(k, n, z=1.96):
+    """95 % Wilson score interval of a proportion k / n."""
+    p, d = k / n, 1 + z * z / n
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (p + z * z / (2 * n)) / d - half, (p + z * z / (2 * n)) / d + half
 
 
-def search_tvd(results, cfg, what):
-    """A run's 'tvd_train' or 'tvd_extrap', with the weights its drawn EMA decay names."""
-    return summarize(results[astuple(cfg)][SEARCH_AVERAGE[cfg.ema]], cfg.train_len)[what]
+def sign_test(k, n):
+    """Two-sided exact sign test: the chance of a split at least as uneven as k of n."""
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def wilcoxon(diffs):
+    """Two-sided exact Wilcoxon signed-rank test (zeros dropped, tied |d| share their mean
+    rank): the distribution of the positive rank sum, counted over all 2^n sign patterns."""
+    d = sorted((x for x in diffs if x != 0), key=abs)
+    n = len(d)
+    if n == 0:
+        return 1.0
+    ranks, i = [0] * n, 0   # twice the ranks, so that shared mean ranks stay integers
+    while i < n:
+        j = i
+        while j + 1 < n and abs(d[j + 1]) == abs(d[i]):
+            j += 1
+        ranks[i:j + 1] = [i + j + 2] * (j - i + 1)
+        i = j + 1
+    counts = {0: 1}
+    for r in ranks:
+        new = dict(counts)
+        for total, c in counts.items():
+            new[total + r] = new.get(total + r, 0) + c
+        counts = new
+    w, mid = sum(r for r, x in zip(ranks, d) if x > 0), sum(ranks) / 2
+    extreme = sum(c for total, c in counts.items() if abs(total - mid) >= abs(w - mid))
+    return min(1.0, extreme / 2**n)
+
+
+def bootstrap_median(xs, reps=10000, seed=0):
+    """Median of xs and its 95 % percentile-bootstrap interval (fixed seed: reproducible)."""
+    g = random.Random(seed)
+    meds = sorted(statistics.median(g.choices(xs, k=len(xs))) for _ in range(reps))
+    return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
+
+
+def search_pairs(configs, results, rival, avg):
+    """Per configuration: (log ratio rival / post of the TVD at 2 L, training TVD of the
+    pair: the larger of the two), with the weights avg."""
+    out = []
+    for runs in configs:
+        m = {c.norm: results[astuple(c)][avg] for c in runs}
+        L = runs[0].train_len
+        ratio = m[rival]["tvd"][2 * L - 1] / m["post"]["tvd"][2 * L - 1]
+        train = max(summarize(m[k], L)["tvd_train"] for k in (rival, "post"))
+        out.append((math.log(ratio), train))
+    return out
+
+
+def search_stats(pairs):
+    """Win rate of post (log ratio > 0) with its interval, sign and Wilcoxon tests, median
+    ratio with its bootstrap interval."""
+    logs = [x for x, _ in pairs]
+    n, k = len(logs), sum(x > 0 for x in logs)
+    if n == 0:
+        return {"n": 0}
+    med, lo, hi = bootstrap_median(logs)
+    return {"n": n, "post_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
+            "sign_p": sign_test(k, n), "wilcoxon_p": wilcoxon(logs),
+            "median_ratio": math.exp(med), "median_ratio_95": (math.exp(lo), math.exp(hi))}
 
 
 def search_summary(configs, results):
-    """The search's headline numbers, from {astuple(cfg): result}."""
-    tvd = functools.partial(search_tvd, results)
-    trained = [(pre, post) for pre, post, _ in configs
-               if max(tvd(pre, "tvd_train"), tvd(post, "tvd_train")) < SEARCH_THRESHOLD]
-    ratios = sorted(tvd(pre, "tvd_extrap") / tvd(post, "tvd_extrap") for pre, post in trained)
-    quartiles = (statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1
-                 else ratios * 3 or [None] * 3)
-    ema = sorted(summarize(results[astuple(c)]["raw"], c.train_len)["tvd_train"] /
-                 summarize(results[astuple(c)]["ema"], c.train_len)["tvd_train"]
-                 for runs in configs for c in runs)
-    drop = sorted(tvd(no, "tvd_extrap") / tvd(pre, "tvd_extrap") for pre, _, no in configs)
-    return {"configurations": len(configs), "trained": len(trained),
-            "post_better": sum(r > 1 for r in ratios),
-            "ratio_quartiles": quartiles,
-            "ema_train_ratio_median": statistics.median(ema),
-            "ema_helped": sum(r > 1 for r in ema),
-            "runs": sum(len(r) for r in configs),
-            "dropout_ratio_median": statistics.median(drop),
-            "dropout_helped": sum(r > 1 for r in drop)}
+    """The primary endpoint and every secondary one: {rival: {avg: {subgroup: stats}}}."""
+    out = {}
+    for rival in ("pre-final", "pre"):
+        for avg in ("ema", "raw"):
+            pairs = search_pairs(configs, results, rival, avg)
+            out.setdefault(rival, {})[avg] = {"all": search_stats(pairs), **{
+                f"train TVD < {t}": search_stats([p for p in pairs if p[1] < t])
+                for t in SEARCH_THRESHOLDS}}
+    return out
+
+
+def search_losses(configs, results):
+    """Where post loses the primary endpoint: for each drawn setting, post's win rate in the
+    configurations below and above its median."""
+    logs = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")]
+    settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
+                "heads": lambda c: c.n_head, "lr": lambda c: c.lr,
+                "batch": lambda c: c.batch_size, "steps": lambda c: c.steps}
+    rows = []
+    for name, get in settings.items():
+        xs = [get(runs[0]) for runs in configs]
+        cut = statistics.median(xs)
+        low = [x > 0 for x, c in zip(logs, xs) if c <= cut]
+        high = [x > 0 for x, c in zip(logs, xs) if c > cut]
+        rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"
+        rows.append(f"| {name} | {cut:.3g} | {rate(low)} | {rate(high)} |")
+    return ["| setting | median | post wins, at or below | above |", "|---" * 4 + "|"] + rows
 
 
 def plot_search(configs, results):
-    """search.png: Pre-Norm against Post-Norm extrapolation TVD per configuration, log-log."""
-    tvd = functools.partial(search_tvd, results)
-    fig, ax = new_figure()
-    points = [(tvd(pre, "tvd_extrap"), tvd(post, "tvd_extrap")) for pre, post, _ in configs]
-    for (pre, post, _), (x, y) in zip(configs, points):
-        ok = max(tvd(pre, "tvd_train"), tvd(post, "tvd_train")) < SEARCH_THRESHOLD
-        ax.plot(x, y, "o", ms=6, color="tab:blue" if ok else "none", markeredgecolor="tab:blue")
-    lo = min(min(p) for p in points) / 2
-    ax.plot([lo, 1], [lo, 1], "k--", lw=1, label="equal")
-    ax.plot([], [], "o", color="tab:blue", label=f"trained (TVD < {SEARCH_THRESHOLD})")
-    ax.plot([], [], "o", color="none", markeredgecolor="tab:blue", label="not trained")
-    ax.set(xscale="log", yscale="log", xlabel="Pre-Norm: extrapolation TVD",
-           ylabel="Post-Norm: extrapolation TVD", title="below the line: Post-Norm better")
-    ax.legend(fontsize=8, loc="upper left")
+    """search.png: the paired ratio at 2 L against the pair's training TVD, per rival."""
+    fig, axes = new_figure(2)
+    for ax, rival in zip(axes, ("pre-final", "pre")):
+        for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
+                           ("raw", dict(color="0.5", mfc="none", label="raw weights"))):
+            pairs = search_pairs(configs, results, rival, avg)
+            ax.plot([t for _, t in pairs], [math.exp(x) for x, _ in pairs], "o", ms=5, **style)
+        ax.axhline(1, color="k", lw=1, ls="--")
+        for t in SEARCH_THRESHOLDS:
+            ax.axvline(t, color="0.7", lw=0.8, ls=":")
+        ax.set(xscale="log", yscale="log", xlabel="training-length TVD (worse of the pair)",
+               ylabel=f"TVD at 2 L: {rival} / post", title=f"above 1: post beats {rival}")
+        ax.legend(fontsize=8)
     return fig
 
 
 def search(base, out, n):
-    """python resharpen.py --search N: N random configurations, three runs each."""
+    """python resharpen.py --search N: N random configurations, one run per arm each."""
     configs = search_configs(n, base.seed)
     runs = [cfg for group in configs for cfg in group]
-    done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema99", "ema"))
+    done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
     results = {astuple(c): r for c, r, _ in done}
     h = search_summary(configs, results)
-    tvd = functools.partial(search_tvd, results)
-    rows = ["| # | v | train len | heads | width | lr | batch | steps | dropout | EMA | "
-            "pre: train, extrap | post: train, extrap | pre without dropout: extrap |",
-            "|---" * 13 + "|"]
-    for i, (pre, post, no) in enumerate(configs):
-        rows.append(f"| {i} | {pre.vocab} | {pre.train_len} | {pre.n_head} | {pre.n_embd} | "
-                    f"{pre.lr:.2g} | {pre.batch_size} | {pre.steps} | {pre.dropout} | "
-                    f"{pre.ema or 'none'} | {tvd(pre, 'tvd_train'):.3f}, "
-                    f"{tvd(pre, 'tvd_extrap'):.3f} | {tvd(post, 'tvd_train'):.3f}, "
-                    f"{tvd(post, 'tvd_extrap'):.3f} | {tvd(no, 'tvd_extrap'):.3f} |")
-    q = [f"{x:.2f}" if x is not None else "n/a" for x in h["ratio_quartiles"]]
+    p = h["pre-final"]["ema"]["all"]
+    fmt = lambda st: ("no configuration" if st["n"] == 0 else
+                      f"{st['post_wins']} of {st['n']} ({st['win_rate_95'][0]:.2f} - "
+                      f"{st['win_rate_95'][1]:.2f}) | {st['sign_p']:.3g} | "
+                      f"{st['wilcoxon_p']:.3g} | {st['median_ratio']:.2f} "
+                      f"({st['median_ratio_95'][0]:.2f} - {st['median_ratio_95'][1]:.2f})")
+    lines = ["| rival | weights | configurations | post wins (95 % interval) | sign test p | "
+             "Wilcoxon p | median ratio rival / post (95 % bootstrap) |", "|---" * 7 + "|"]
+    for rival in ("pre-final", "pre"):
+        for avg in ("ema", "raw"):
+            for group, st in h[rival][avg].items():
+                if st["n"]:
+                    lines.append(f"| `{rival}` | {AVERAGE_LABELS[avg]} | {group} | {fmt(st)} |")
+    tvd = lambda c, avg, s: results[astuple(c)][avg]["tvd"][s - 1]
+    train = lambda c, avg: summarize(results[astuple(c)][avg], c.train_len)["tvd_train"]
+    rows = ["| # | v | L | heads | width | lr | batch | steps | " +
+            " | ".join(f"{a}: train, 2 L" for a in SEARCH_ARMS) + " | post beats pre-final |",
+            "|---" * (9 + len(SEARCH_ARMS)) + "|"]
+    for i, runs in enumerate(configs):
+        c, L = runs[0], runs[0].train_len
+        cells = " | ".join(f"{train(r, 'ema'):.3f}, {tvd(r, 'ema', 2 * L):.3f}" for r in runs)
+        win = tvd(runs[1], "ema", 2 * L) > tvd(runs[2], "ema", 2 * L)
+        rows.append(f"| {i} | {c.vocab} | {L} | {c.n_head} | {c.n_embd} | {c.lr:.2g} | "
+                    f"{c.batch_size} | {c.steps} | {cells} | {'yes' if win else 'no'} |")
     text = (f"Written by `python resharpen.py --search {n}` (seed {base.seed}; ranges in "
-            f"`search_configs`).\n\n"
-            f"- {h['trained']} of {h['configurations']} configurations trained (training-length "
-            f"TVD below {SEARCH_THRESHOLD} with both norms, with the EMA decay drawn for it); "
-            f"the other {h['configurations'] - h['trained']} are in the table, not hidden.\n"
-            f"- Among those that trained, Post-Norm extrapolated better in {h['post_better']} of "
-            f"{h['trained']}; the ratio of extrapolation TVDs, Pre-Norm over Post-Norm, has "
-            f"quartiles {q[0]}, {q[1]} (median), {q[2]}.\n"
-            f"- EMA 0.999 against the raw weights of the same run, training-length TVD: "
-            f"lower in {h['ema_helped']} of {h['runs']} runs, median ratio raw/EMA "
-            f"{h['ema_train_ratio_median']:.2f}.\n"
-            f"- Dropout, Pre-Norm with the drawn dropout against the same run without it: "
-            f"extrapolation TVD lower with dropout in {h['dropout_helped']} of "
-            f"{h['configurations']}, median ratio without/with {h['dropout_ratio_median']:.2f}."
-            "\n\n"
-            + "\n".join(rows) + f"\n\n{len(done)} training runs, {wall:.0f} s wall in {workers} "
-            f"worker process(es).\n")
+            "`search_configs`; protocol in the README, \"Protocol\").\n\n"
+            f"Primary endpoint (EMA {COMPARE_EMA} weights, all {n} configurations): the TVD at "
+            f"twice the longest training length was lower with `post` than with `pre-final` in "
+            f"{fmt(p).split(' |')[0]}; two-sided sign test p = {p['sign_p']:.3g}, Wilcoxon "
+            f"p = {p['wilcoxon_p']:.3g}; median ratio pre-final / post "
+            f"{p['median_ratio']:.2f} (95 % bootstrap interval {p['median_ratio_95'][0]:.2f} - "
+            f"{p['median_ratio_95'][1]:.2f}).\n\n"
+            "### Every endpoint, overall and by training TVD\n\n" + "\n".join(lines) +
+            "\n\n### Where post loses to pre-final (primary endpoint, split at each setting's "
+            "median)\n\n" + "\n".join(search_losses(configs, results)) +
+            "\n\n### Every configuration (EMA weights)\n\n" + "\n".join(rows) +
+            f"\n\n{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es).\n")
     print("\n" + text)
     files = {"search.md": text.encode("utf-8"),
              "search.png": figure_bytes(plot_search(configs, results))}
@@ -1452,7 +1639,8 @@ def build_parser():
       help=f"seed of the initialization and training data, 0 .. {SEED_LIMIT}")
     a("--device", choices=["auto", "cpu", "cuda", "mps"], default=d.device,
       help="auto: cuda, then mps, then cpu")
-    a("--out", default="plots", help="folder for the figures and the JSON record")
+    a("--out", default="runs", help="folder for the figures and the JSON record (the README's "
+      "figures are regenerated with --out plots)")
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
     mode = p.add_mutually_exclusive_group()   # instead of one training run:
     a = mode.add_argument
@@ -1467,6 +1655,10 @@ def build_parser():
     a("--compare", action="store_true",
       help="run the comparison grid instead (norms x averaging x targets x schedule, "
            f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
+    a("--long", action="store_true",
+      help="the longer extrapolation: " + ", ".join(f"{k} {v}" for k, v in LONG_MODEL.items())
+      + f", placements {', '.join(LONG_NORMS)}, sampled/constant and exact/cosine, "
+      f"{COMPARE_SEEDS} seeds; write long.md, long.json and long.png")
     a("--alternatives", action="store_true",
       help="Pre-Norm with dropout, log-length scaling or BOS against Post-Norm, "
            f"{COMPARE_SEEDS} seeds from --seed; write alternatives.md and .png")
@@ -1497,7 +1689,8 @@ def check_args(args, parser, given, argv=()):
     bad = parser.error
     flags = lambda dests: ", ".join(sorted(f"--{d.replace('_', '-')}" for d in dests))
     language = args.task != "complement"
-    grid = args.theory or args.compare or args.suite or args.alternatives or args.search
+    grid = (args.theory or args.compare or args.long or args.suite or args.alternatives
+            or args.search)
     if args.save is not None and grid:
         bad("--save: --theory, --compare, --suite, --alternatives and --search write no "
             "checkpoint")
@@ -1517,14 +1710,16 @@ def check_args(args, parser, given, argv=()):
     if args.theory and given - {"theory", "vocab", "train_len", "out"}:
         bad(f"{flags(given - {'theory', 'vocab', 'train_len', 'out'})}: --theory uses only "
             "--vocab, --train-len and --out")
-    if args.compare and given & {"norm", "targets", "lr_schedule", "ema", "bema"}:
+    if (args.compare or args.long) and given & {"norm", "targets", "lr_schedule", "ema", "bema"}:
         bad(f"{flags(given & {'norm', 'targets', 'lr_schedule', 'ema', 'bema'})}: --compare "
-            "runs every norm, target, schedule and average itself")
+            "and --long run every norm, target, schedule and average themselves")
+    if args.long and given & set(LONG_MODEL):
+        bad(f"{flags(given & set(LONG_MODEL))}: --long sets it itself ({LONG_MODEL})")
     if args.suite and given - set(SUITE_MODEL) - {"suite", "seed", "device", "out"}:
         bad(f"{flags(given - set(SUITE_MODEL) - {'suite', 'seed', 'device', 'out'})}: --suite "
             "sets it itself (it accepts --seed, --device, --out and SUITE_MODEL's flags)")
-    if (args.compare or args.theory or args.alternatives or args.search) and language:
-        bad(f"--task {args.task}: --compare, --theory, --alternatives and --search use the "
+    if (args.compare or args.long or args.theory or args.alternatives or args.search) and language:
+        bad(f"--task {args.task}: --compare, --long, --theory, --alternatives and --search use the "
             "Set Complement task only")
     if language and "vocab" in given:
         bad("--vocab: a language's vocabulary is 2 x --brackets + 1; leave --vocab out")
@@ -1600,8 +1795,8 @@ def main(argv=None):
     try:
         if args.theory:
             theory(cfg.vocab, cfg.train_len, args.out)
-        elif args.compare:
-            compare(cfg, args.out)
+        elif args.compare or args.long:
+            compare(cfg, args.out, long=args.long)
         elif args.suite:
             suite(cfg, args.out, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
         elif args.alternatives:
