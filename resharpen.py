@@ -12,13 +12,20 @@ plugs in through a task object, an attention class (ATTENTIONS) and weight avera
 import copy
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
-if __name__ == "__main__":   # before torch starts its OpenMP threads (README, "Threads"):
-    # idle threads spin only briefly before they sleep, so that two runs sharing the cores
-    # do not wait on each other's spinning threads (measured on 2 cores: 41 s each for two
-    # runs at once instead of 481 s; 26 s alone, as before). Set it yourself to override.
+if __name__ == "__main__":   # run as a command: two settings before torch loads
+    import signal   # a signal while the libraries load: one line, no traceback
+    for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        if hasattr(signal, _name):
+            signal.signal(getattr(signal, _name), lambda n, f: (print(
+                "resharpen.py: interrupted while starting; nothing was written",
+                file=sys.stderr), os._exit(128 + n)))
+    # Idle OpenMP threads spin only briefly before they sleep, so that two runs sharing the
+    # cores do not wait on each other's spinning threads (2 cores: 41 s each for two runs
+    # at once instead of 481 s; 26 s alone, as before). README, "Threads", to override.
     os.environ.setdefault("GOMP_SPINCOUNT", "400")
 
 import torch
@@ -287,6 +294,14 @@ def train(cfg, log=print, averagers=None, task=None):
 
 
 # ------------------------------------------- evaluation at every length (theory.md, sections 3-5)
+def numbers_per_input(cfg, T):
+    """About how many numbers evaluating one input of T tokens holds at once: per position,
+    its logits and metrics (v), one layer's activations (4 n_embd), and every layer's
+    attention weights (n_head x (T + 1) each). evaluate() takes EVAL_CHUNK // this inputs
+    at a time, so its memory stays bounded whatever the model's size."""
+    return T * (cfg.vocab + 4 * cfg.n_embd + (T + 1) * cfg.n_head * cfg.n_layer)
+
+
 @torch.no_grad()
 def evaluate(model, n_perm=EVAL_PERMS, task=None):
     """Metrics at every prefix length s = 1 .. v-1 of the task (default Set Complement),
@@ -296,10 +311,9 @@ def evaluate(model, n_perm=EVAL_PERMS, task=None):
     task = task or SetComplement(cfg)
     model.eval()
     idx = task.eval_inputs(n_perm)                             # (N, T), on the CPU
-    N, T = idx.shape   # below: rows per chunk, for about EVAL_CHUNK numbers per chunk
-    rows = max(1, EVAL_CHUNK // (T * (cfg.vocab + (T + 1) * cfg.n_head * cfg.n_layer)))
+    N, T = idx.shape
     total = {}
-    for chunk in idx.split(rows):
+    for chunk in idx.split(max(1, EVAL_CHUNK // numbers_per_input(cfg, T))):
         logits, atts = model(chunk.to(device), return_attn=True)   # (n, T, v)
         logits = logits.cpu().double()   # float64 on the CPU (MPS has none): TVDs of 1e-30
         p = task.target(chunk, torch.double)                   # (n, T, v)
@@ -395,8 +409,10 @@ def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
 
 
 def predicted_tvd(vocab, s, margin):
-    """theory.md, 3: with balanced logits, TVD = invalid mass = s e^-m / (s e^-m + v - s)."""
-    return s / (s + (vocab - s) * math.exp(margin))
+    """theory.md, 3: with balanced logits, TVD = invalid mass = s e^-m / (s e^-m + v - s)
+    (written with e^-m, which cannot overflow for the large margins of large v)."""
+    e = math.exp(-margin) if margin > -700 else math.inf
+    return 1.0 if e == math.inf else s * e / (s * e + vocab - s)
 
 
 # ======================================= Part 2: what reproduces the experiments (skip at first)
@@ -411,7 +427,6 @@ import pickle  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 from dataclasses import asdict, astuple, replace  # noqa: E402
 
@@ -606,49 +621,67 @@ def folder_lock(folder):
         os.close(fd)
 
 
-def write_outputs(out, files, record_name=None, record=None):
-    """Write files {name: bytes} into out, then the JSON record (if any) listing their sha256.
+class Interrupted(Exception):
+    """A signal asked the run to stop: Ctrl-C (SIGINT), SIGTERM or SIGHUP (main's handler)."""
+
+    def __init__(self, signum, written=None):
+        super().__init__(signum)
+        self.signum, self.written = signum, written
+
+
+def write_outputs(out, files, record_name=None, record=None, extra=None):
+    """Write files {name: bytes} into out, then extra {path: bytes} (a checkpoint, anywhere),
+    then the JSON record (if any) listing the sha256 of all of them, all under one lock.
     Everything is rendered before this is called, so a failure here is the disk's."""
-    path, done = None, []
+    path, done, extra = None, [], extra or {}
     try:
         os.makedirs(out, exist_ok=True)
         with folder_lock(out):
             if record_name and os.path.exists(os.path.join(out, record_name)):
                 os.remove(os.path.join(out, record_name))
-            for name, data in files.items():
-                path = os.path.join(out, name)
+            for path, data in [(os.path.join(out, n), d) for n, d in files.items()] + list(
+                    extra.items()):
                 write_bytes(path, data)
-                done.append(name)
+                done.append(path)
             if record_name:
                 hashes = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
                 path = os.path.join(out, record_name)
                 write_bytes(path, json_bytes({**record, "files": hashes}))
-    except (OSError, KeyboardInterrupt) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise WriteError(f"could not write {path} ({why}); written: {', '.join(done) or 'none'}"
-                         + (f"; {record_name} was not, so {out} holds an incomplete set"
-                            if record_name else "")) from None
-    return [os.path.join(out, name) for name in [*files, *([record_name] if record_name else [])]]
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise WriteError(f"could not write {path or out} ({why}); written: "
+                         f"{', '.join(done) or 'nothing'}" +
+                         (f"; {record_name} was not, so {out} holds an incomplete set"
+                          if record_name and done else "")) from None
+    except Interrupted as e:
+        e.written = done
+        raise
+    return [os.path.join(out, name) for name in files] + list(extra) + (
+        [os.path.join(out, record_name)] if record_name else [])
 
 
 def checkpoint_bytes(model, averager, cfg):
+    """Config, raw weights and averaged weights (if any), wrapped with their own sha256, so
+    that a changed byte is found when the file is loaded."""
     ckpt = {"config": asdict(cfg), "model": model.state_dict()}
     if averager:
         ckpt["ema"] = [a.cpu() for a in averager.averaged()]
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    return buf.getvalue()
-
-
-def save_checkpoint(path, model, averager, cfg):
-    """Config, raw weights and averaged weights (if any), written whole or not at all."""
-    write_bytes(path, checkpoint_bytes(model, averager, cfg))
+    inner = io.BytesIO()
+    torch.save(ckpt, inner)
+    data = inner.getvalue()
+    outer = io.BytesIO()
+    torch.save({"sha256": hashlib.sha256(data).hexdigest(), "data": data}, outer)
+    return outer.getvalue()
 
 
 def load_checkpoint(path, raw=False, device="cpu"):
     """A ready model in eval mode: the averaged weights if the run had them (unless raw)."""
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        outer = torch.load(path, map_location="cpu", weights_only=True)
+        data = outer["data"]
+        if hashlib.sha256(data).hexdigest() != outer["sha256"]:
+            raise ValueError(f"{path} is damaged: its contents do not match their sha256")
+        ckpt = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except (EOFError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as e:
@@ -742,17 +775,11 @@ def run_one(cfg, out, save=None):
               "train_seconds": round(train_time, 2)}
     if raw:
         record["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
-    written = []
+    extra = {}
     if save:
-        ckpt = checkpoint_bytes(model, averagers[0] if averagers else None, cfg)
-        record["checkpoint"] = {"path": save, "sha256": hashlib.sha256(ckpt).hexdigest()}
-        try:
-            write_bytes(save, ckpt)
-        except OSError as e:
-            raise WriteError(f"could not write the checkpoint {save} ({e.strerror}); nothing "
-                             "was written") from None
-        written.append(save)
-    written = write_outputs(out, files, "metrics.json", record) + written
+        extra[save] = checkpoint_bytes(model, averagers[0] if averagers else None, cfg)
+        record["checkpoint"] = {"path": save, "sha256": hashlib.sha256(extra[save]).hexdigest()}
+    written = write_outputs(out, files, "metrics.json", record, extra)
     print(f"wrote {', '.join(written)} | {time.time() - t0:.1f}s")
 
 # ----------------------------------------------------------------------------- comparison
@@ -1566,16 +1593,95 @@ def theory(vocab, train_len, out):
 LIMITS = {"vocab": 1024, "train_len": 1024, "brackets": 16, "max_depth": 64, "n_layer": 16,
           "n_head": 64, "n_embd": 2048, "batch_size": 8192, "steps": 10**7}
 LANGUAGE_TRAIN_LEN = 256          # a language is evaluated on 4 x train_len positions
-STEP_MEMORY = 8 * 2**30           # bytes a training step may need (step_memory's estimate)
+MEMORY_LIMIT = 8 * 2**30          # bytes a run may hold at its peak (run_memory's estimate)
+CPU_FLOPS = 2e10                  # float32 operations a second, a laptop CPU, for run_seconds
+THEORY_VOCAB = 256                # --theory's float64 models of width 2v: a minute at most
 SEED_LIMIT = 2**32 - COMPARE_SEEDS   # seeds are 0 .. this; the grids use seed .. seed + 2
 
 
-def step_memory(cfg):
-    """A generous estimate, in bytes, of what one training step holds: activations, their
-    gradients and the attention weights, in float32."""
+def eval_len(cfg):
+    """Positions evaluate() runs: v - 1 for Set Complement, 4 x train_len for a language."""
+    return (cfg.vocab - 1 if cfg.task == "complement" else 4 * cfg.train_len) + cfg.bos
+
+
+def parameter_count(cfg):
+    C = cfg.n_embd
+    return cfg.n_layer * (4 + 8 * cfg.mlp) * C * C + (2 * cfg.vocab + cfg.bos) * C
+
+
+def run_memory(cfg):
+    """A generous estimate, in bytes, of a run's peak: the interpreter and libraries (512
+    MiB), 12 float32 copies of the weights (weights, gradients, Adam's two moments, up to
+    three for an average, the averaged copy that is evaluated, a checkpoint's bytes), one
+    training step's activations and attention weights with their gradients, and one chunk
+    of the evaluation (about 32 bytes per number: float32 and float64 copies)."""
     T = cfg.train_len + cfg.bos
     per_layer = 4 * cfg.n_head * T + 16 * cfg.n_embd * (1 + 2 * cfg.mlp)
-    return 4 * cfg.batch_size * T * (cfg.n_layer * per_layer + 4 * cfg.vocab)
+    step = 4 * cfg.batch_size * T * (cfg.n_layer * per_layer + 4 * cfg.vocab)
+    chunk = 32 * max(EVAL_CHUNK, numbers_per_input(cfg, eval_len(cfg)))
+    return 2**29 + 48 * parameter_count(cfg) + step + chunk
+
+
+def run_seconds(cfg):
+    """A rough estimate of (seconds per training step, seconds in all) on a CPU: matrix
+    products only, forward and backward, at CPU_FLOPS."""
+    T, n = cfg.train_len + cfg.bos, eval_len(cfg)
+    matmul = cfg.n_layer * (4 + 8 * cfg.mlp) * cfg.n_embd**2 + cfg.vocab * cfg.n_embd
+    attn = lambda t: 4 * t * t * cfg.n_embd * cfg.n_layer
+    step = 3 * cfg.batch_size * (2 * T * matmul + attn(T)) / CPU_FLOPS
+    evaluation = 3 * EVAL_PERMS * (2 * n * matmul + attn(n)) / CPU_FLOPS   # raw + 2 averages
+    return step, cfg.steps * step + evaluation
+
+
+def planned_runs(args, cfg, given):
+    """Every configuration the command will train, so that each is checked before the first."""
+    if args.theory:
+        return []
+    if args.compare or args.long:
+        base = replace(cfg, **LONG_MODEL) if args.long else cfg
+        return compare_grid(base, *((LONG_NORMS, LONG_REGIMES) if args.long else ()))
+    if args.suite:
+        return suite_grid(cfg, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
+    if args.alternatives:   # the second stage adds a remedy to post: the same sizes
+        return [c for ch in ALTERNATIVES.values() for c in alternative_runs(cfg, ch)]
+    if args.search is not None:
+        return [c for group in search_configs(args.search, cfg.seed) for c in group]
+    return [cfg]
+
+
+NAME_MAX = 255 - 24   # a file's temporary name is its own plus up to 24 characters
+
+
+def path_problem(path, folder):
+    """Why path could not be written as a folder (folder=True) or a file, or None. Nothing
+    is created or changed."""
+    if not path:
+        return "is empty"
+    for part in os.path.abspath(path).split(os.sep):
+        if len(os.fsencode(part)) > NAME_MAX:
+            return f"has a name longer than {NAME_MAX} bytes"
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if os.path.islink(p) and not os.path.exists(p):
+        return f"{p} is a broken or looping symbolic link"
+    if p == os.path.abspath(path):          # it exists
+        if folder and not os.path.isdir(p):
+            return "is not a folder"
+        if not folder and os.path.isdir(p):
+            return "is a folder; give a file name, such as runs/model.pt"
+        p = p if folder else os.path.dirname(p)
+    if not os.path.isdir(p):
+        return f"{p} is not a folder"
+    if not os.access(p, os.R_OK | os.W_OK | os.X_OK):
+        return f"the folder {p} cannot be read and written"
+    return None
+
+
+MODE_FILES = {"theory": ["theory.png"], "compare": ["compare.md", "compare.json"],
+              "long": ["long.md", "long.json", "long.png"], "suite": ["suite.md", "suite.json"],
+              "alternatives": ["alternatives.md", "alternatives.json"],
+              "search": ["search.md", "search.json", "search.png"]}
 
 
 class Parser(argparse.ArgumentParser):
@@ -1601,8 +1707,11 @@ def build_parser():
                ", ".join(f"--{k.replace('_', '-')} <= {v}" for k, v in list(LIMITS.items())[:5])
                + ",\n  " + ", ".join(f"--{k.replace('_', '-')} <= {v}"
                                       for k, v in list(LIMITS.items())[5:]) +
-               f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language; one training step "
-               f"may need at most {STEP_MEMORY // 2**30} GiB")
+               f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language; and a run whose "
+               f"estimated peak memory is over {MEMORY_LIMIT // 2**30} GiB is refused\n\n"
+               "threads: torch uses one per core. On Linux, idle threads spin only briefly "
+               "(GOMP_SPINCOUNT=400),\nso that two runs at once share the cores well; set "
+               "OMP_NUM_THREADS=1 (or GOMP_SPINCOUNT) to override.")
     a = p.add_argument
     a("--task", choices=["complement", "dyck", "shuffle"], default=d.task,
       help="Set Complement, or a formal language: Dyck-(k, D) or Shuffle-k")
@@ -1675,14 +1784,6 @@ def given_flags(parser, argv):
             for opt in action.option_strings if tok == opt or tok.startswith(opt + "=")}
 
 
-def writable_folder(path):
-    """Could a file be written in this folder, creating the folder if it is missing?"""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-
-
 def check_args(args, parser, given, argv=()):
     """Reject bad input up front, before any training time is spent: everything accepted
     here runs to the end."""
@@ -1707,6 +1808,9 @@ def check_args(args, parser, given, argv=()):
             "setting itself (it accepts --seed, --device and --out)")
     if args.search is not None and not 1 <= args.search <= 100:
         bad(f"--search must be a number of configurations in 1 .. 100, got {args.search}")
+    if args.theory and args.vocab > THEORY_VOCAB:
+        bad(f"--vocab {args.vocab}: --theory evaluates float64 models of width 2v, at most "
+            f"--vocab {THEORY_VOCAB}")
     if args.theory and given - {"theory", "vocab", "train_len", "out"}:
         bad(f"{flags(given - {'theory', 'vocab', 'train_len', 'out'})}: --theory uses only "
             "--vocab, --train-len and --out")
@@ -1750,27 +1854,47 @@ def check_args(args, parser, given, argv=()):
         bad(f"--seed must be in 0 .. {SEED_LIMIT}, got {args.seed}")
     if args.n_embd % args.n_head:
         bad(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
-    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
-    if step_memory(cfg) > STEP_MEMORY:
-        bad(f"--batch-size {args.batch_size}: one training step would need about "
-            f"{step_memory(cfg) / 2**30:.0f} GiB (limit {STEP_MEMORY // 2**30}); use a smaller "
-            "--batch-size, --train-len, --n-embd, --n-head or --n-layer")
     present = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if not present.get(args.device, True):
         allowed = ", ".join(["auto", "cpu"] + [d for d, ok in present.items() if ok])
         bad(f"--device {args.device}: no {args.device.upper()} device here; allowed: {allowed}")
-    if not writable_folder(args.out):
-        bad(f"--out {args.out}: cannot write a folder there")
+    problem = path_problem(args.out, folder=True)
+    if problem:
+        bad(f"--out {args.out!r}: {problem}")
+    mode = next((m for m in MODE_FILES if getattr(args, m, None) not in (None, False)), None)
+    names = MODE_FILES[mode] if mode else ["metrics.json", "length.png", "loss.png"]
+    for name in names:
+        if os.path.isdir(os.path.join(args.out, name)):
+            bad(f"--out {args.out}: {name} there is a folder, and this run writes a file there")
     if args.save is not None:
-        save, folder = args.save, os.path.dirname(os.path.abspath(args.save))
-        if not save or save.endswith(("/", os.sep)) or os.path.isdir(save):
+        save, out = args.save, os.path.realpath(args.out)
+        folder = os.path.dirname(os.path.realpath(save)) if save else ""
+        if save.endswith(("/", os.sep)) or os.path.realpath(save) == out:
             bad(f"--save {save!r}: give a file name, such as runs/model.pt")
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-            bad(f"--save {save}: its folder {folder} does not exist or cannot be written")
-        outputs = {os.path.realpath(os.path.join(args.out, f))
-                   for f in ("metrics.json", "length.png", "loss.png")}
-        if os.path.realpath(save) in outputs:
+        # The run creates --out, so a checkpoint may go into it even when it is new.
+        problem = path_problem(save, folder=False) if folder != out else None
+        if problem:
+            bad(f"--save {save!r}: {problem}")
+        if os.path.realpath(save) in {os.path.join(out, f) for f in names}:
             bad(f"--save {save}: that is one of the run's own outputs in --out {args.out}")
+    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
+    cfg = language_config(cfg) if language else cfg
+    runs = planned_runs(args, cfg, given)
+    for run in runs:
+        if run.task != "complement" and run.train_len > LANGUAGE_TRAIN_LEN:
+            bad(f"--train-len {run.train_len}: a language trains on at most "
+                f"{LANGUAGE_TRAIN_LEN} positions")
+        if run_memory(run) > MEMORY_LIMIT:
+            bad(f"--batch-size {run.batch_size}: a run would need about "
+                f"{run_memory(run) / 2**30:.0f} GiB at its peak (limit "
+                f"{MEMORY_LIMIT // 2**30} GiB); use a smaller --batch-size, --n-embd, --n-layer, "
+                "--n-head, --train-len or --vocab")
+    if runs and pick_device(args.device) == "cpu":
+        per_step = max(run_seconds(r)[0] for r in runs)
+        total = sum(run_seconds(r)[1] for r in runs) / (usable_cores() if len(runs) > 1 else 1)
+        if per_step > 60 or total > 3600:
+            print(f"resharpen.py: note: a rough estimate for this CPU is {per_step:.0f} s per "
+                  f"step, {total / 3600:.1f} hours in all; Ctrl-C stops it", file=sys.stderr)
 
 
 def stop(message, code):
@@ -1778,7 +1902,35 @@ def stop(message, code):
     sys.exit(code)
 
 
+STOP_SIGNALS = {getattr(signal, name): name for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                if hasattr(signal, name)}
+
+
+def on_stop_signal(signum, frame):
+    """Ctrl-C, SIGTERM (a scheduler, kill) and SIGHUP (a closed terminal) stop the run alike:
+    later signals are ignored while it cleans up; main() prints one line."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def main(argv=None):
+    """The command line. Exit status: 0 done, 1 stopped (NaN, disk, memory), 2 bad input,
+    128 + the signal's number when a signal stopped it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    for stream in (sys.stdout, sys.stderr):   # a path no console can encode prints as \xNN
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_stop_signal)
+    try:
+        run_main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def run_main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen; a bad value fails late
     parser = build_parser()
@@ -1809,8 +1961,13 @@ def main(argv=None):
         stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
     except WriteError as e:
         stop(str(e), 1)
-    except KeyboardInterrupt:
-        stop("interrupted (Ctrl-C); nothing was written", 130)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        name = "Ctrl-C" if signum == signal.SIGINT else STOP_SIGNALS.get(signum, str(signum))
+        written = getattr(e, "written", None)
+        stop(f"interrupted ({name}) while writing; written: {', '.join(written)}; the JSON "
+             "record was not, so that set is incomplete" if written else
+             f"interrupted ({name}); nothing was written", 128 + int(signum))
     except oom:
         stop("out of memory; try a smaller --batch-size, --vocab or --n-embd. Nothing was "
              "written.", 1)
@@ -1824,7 +1981,12 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-        sys.stdout.flush()
+        if sys.stdout is not None:   # None: started with its output closed (>&-)
+            sys.stdout.flush()
     except BrokenPipeError:   # the output was piped into a program that stopped reading
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except OSError as e:      # the output is full (/dev/full), a size limit (ulimit -f) ...
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"resharpen.py: stopped: {e}\n")
+        os._exit(1)
