@@ -16,17 +16,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-if __name__ == "__main__":   # run as a command: two settings before torch loads
+if __name__ == "__main__":   # run as a command; before torch loads (README, "Threads"):
     import signal   # a signal while the libraries load: one line, no traceback
-    for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        if hasattr(signal, _name):
-            signal.signal(getattr(signal, _name), lambda n, f: (print(
-                "resharpen.py: interrupted while starting; nothing was written",
-                file=sys.stderr), os._exit(128 + n)))
-    # Idle OpenMP threads spin only briefly before they sleep, so that two runs sharing the
-    # cores do not wait on each other's spinning threads (2 cores: 41 s each for two runs
-    # at once instead of 481 s; 26 s alone, as before). README, "Threads", to override.
-    os.environ.setdefault("GOMP_SPINCOUNT", "400")
+    for _sig in {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGINT)}:
+        signal.signal(_sig, lambda n, f: (sys.stderr.write("interrupted while starting\n"),
+                                          os._exit(128 + n)))
+    os.environ.setdefault("GOMP_SPINCOUNT", "400")   # idle threads soon sleep: runs share cores
 
 import torch
 import torch.nn as nn
@@ -55,10 +50,10 @@ class Config:
     ema: float = 0.0          # decay of the weight EMA; 0 = off
     seed: int = 0
     device: str = "auto"
-    bema: bool = False        # this and the three below are read by Part 2 only: BEMA
-    brackets: int = 2         # k, for the formal languages
-    max_depth: int = 4        # D, for Dyck-(k, D)
-    attn_scale: str = "none"  # a key of ATTENTIONS: 'logn' scales scores by s_h log n
+    bema: bool = False        # Part 2: average with BEMA instead of the EMA
+    brackets: int = 2         # Part 2: k, for the formal languages
+    max_depth: int = 4        # Part 2: D, for Dyck-(k, D)
+    attn_scale: str = "none"  # a key of ATTENTIONS; Part 2 adds 'logn' (log-length scaling)
 
 
 NORMS = {
@@ -134,7 +129,7 @@ ATTENTIONS = {"none": CausalSelfAttention}   # Part 2 adds 'logn'
 
 
 class Block(nn.Module):
-    """One transformer block. cfg.norm says where its LayerNorms sit (theory.md, section 5):
+    """One transformer block. cfg.norm says where its LayerNorms sit (theory.md, section 4):
         pre, pre-final   x = x + Attn(LN(x));   x = x + MLP(LN(x))
         post             x = x + LN(Attn(x));   x = x + LN(MLP(x))
         post-residual    x = LN(x + Attn(x));   x = LN(x + MLP(x))
@@ -160,7 +155,7 @@ class Block(nn.Module):
                 x = x + self.drop(self.mlp(self.ln_2(x)))
         elif self.norm == "post":
             # The norm rescales the attention average back to unit size however many
-            # tokens it averaged: this is what resharpens (theory.md, section 5).
+            # tokens it averaged: this is what resharpens (theory.md, section 4).
             a, att = self.attn(x)
             x = x + self.ln_1(self.drop(a))
             if self.mlp:
@@ -179,7 +174,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab + cfg.bos, cfg.n_embd)   # E; row v is BOS, if any
+        self.wte = nn.Embedding(cfg.vocab + (1 if cfg.bos else 0), cfg.n_embd)   # E; row v: BOS
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd) if cfg.norm == "pre-final" else nn.Identity()
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)  # U
@@ -203,12 +198,12 @@ class Transformer(nn.Module):
         return (logits, atts) if return_attn else logits
 
 
-# ------------------------------------------------ an EMA of the weights (theory.md, section 6)
+# ------------------------------------------------ an EMA of the weights (theory.md, section 5)
 class EMA:
     """A shadow copy of the parameters, averaged after every optimizer step (decay omega):
         avg_t = (1 - beta_t) avg_{t-1} + beta_t theta_t,   beta_t = (1 - omega) / (1 - omega^t)
     This is Adam's bias correction as a weight: avg_t averages theta_1 .. theta_t with weights
-    proportional to omega^(t - k), so the initialization never enters it (theory.md, 6)."""
+    proportional to omega^(t - k), so the initialization never enters it (theory.md, 5)."""
 
     def __init__(self, model, decay):
         self.decay, self.t = decay, 0
@@ -221,8 +216,8 @@ class EMA:
     def update(self, model):
         self.t += 1
         beta = self.beta(self.t)
-        for s, p in zip(self.shadow, model.parameters()):
-            s.lerp_(p, beta)  # s + beta_t * (p - s)
+        for avg, p in zip(self.shadow, model.parameters()):
+            avg.lerp_(p, beta)  # avg + beta_t * (p - avg)
 
     def averaged(self):   # the weights to evaluate
         return self.shadow
@@ -238,8 +233,7 @@ def averaged_copy(model, averager):
 
 
 # -------------------------------------------------------------------------------------- training
-def pick_device(name):
-    """'auto': a CUDA GPU, else Apple's MPS, else the CPU."""
+def pick_device(name):   # 'auto': a CUDA GPU, else Apple's MPS, else the CPU
     if name != "auto":
         return name
     mps = torch.backends.mps.is_available()
@@ -253,18 +247,19 @@ def learning_rate(cfg, step):
     return cfg.lr
 
 
-def train(cfg, log=print, averagers=None, task=None):
+def train(cfg, log=print, average_with=None, task=None):
     """Train on the task (default Set Complement). Returns (model, averagers, losses): the
-    last weights, and one average per function in `averagers` (default: cfg.ema's EMA)."""
+    last weights, and one averager per function model -> averager in `average_with`
+    (default: cfg.ema's EMA, if cfg.ema > 0)."""
     task, device = task or SetComplement(cfg), pick_device(cfg.device)
     torch.manual_seed(cfg.seed)                      # the initialization
     gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
     model = Transformer(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     default = [lambda m: EMA(m, cfg.ema)] if cfg.ema > 0 else []
-    averagers = [make(model) for make in (default if averagers is None else averagers)]
+    averagers = [make(model) for make in (default if average_with is None else average_with)]
     losses, floor = [], task.loss_floor()
-    t0, every = time.time(), max(1, cfg.steps // 8)
+    every, t5 = max(1, cfg.steps // 8), None   # t5: the clock after the first, slower steps
     for step in range(1, cfg.steps + 1):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
@@ -275,7 +270,7 @@ def train(cfg, log=print, averagers=None, task=None):
             loss = -(task.target(x) * logp).sum(-1).mean()
         else:
             loss = F.nll_loss(logp.reshape(-1, cfg.vocab), y.reshape(-1))
-        losses.append(loss.item())   # the step's one wait for the device
+        losses.append(loss.item())   # .item() waits for the device: once per step
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"the loss became {losses[-1]} at step {step}")
         opt.zero_grad(set_to_none=True)
@@ -283,22 +278,23 @@ def train(cfg, log=print, averagers=None, task=None):
         opt.step()
         for avg in averagers:
             avg.update(model)
-        if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):   # early, then 8x
-            rate, recent = step / max(time.time() - t0, 1e-9), losses[-every:]
+        t5 = time.time() if step == 5 else t5
+        if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):   # at 10, then 8 times
+            rate = (step - 5) / max(time.time() - t5, 1e-9) if t5 else 0.0
+            recent = losses[-every:]
             log(f"step {step:5d}/{cfg.steps} | loss {sum(recent) / len(recent):.4f} (floor "
-                f"{floor:.4f}) | {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
+                f"{floor:.4f}) | {rate:.0f} steps/s | ETA "
+                + (f"{(cfg.steps - step) / rate:.0f}s" if rate else "-"))
     weights = list(model.parameters()) + [w for a in averagers for w in a.averaged()]
     if not all(torch.isfinite(w).all() for w in weights):
         raise FloatingPointError(f"the weights became NaN or infinite by step {cfg.steps}")
     return model, averagers, losses
 
 
-# ------------------------------------------- evaluation at every length (theory.md, sections 3-5)
+# ------------------------------------------- evaluation at every length (theory.md, sections 2-4)
 def numbers_per_input(cfg, T):
-    """About how many numbers evaluating one input of T tokens holds at once: per position,
-    its logits and metrics (v), one layer's activations (4 n_embd), and every layer's
-    attention weights (n_head x (T + 1) each). evaluate() takes EVAL_CHUNK // this inputs
-    at a time, so its memory stays bounded whatever the model's size."""
+    """About how many numbers one input of T tokens holds in evaluate(): per position, its
+    logits (v), a layer's activations (4 n_embd), every layer's attention (n_head (T + 1))."""
     return T * (cfg.vocab + 4 * cfg.n_embd + (T + 1) * cfg.n_head * cfg.n_layer)
 
 
@@ -337,7 +333,7 @@ def evaluate(model, n_perm=EVAL_PERMS, task=None):
     model.train(was_training)
     lengths = list(range(1, T + 1))
     return {"length": lengths, **{key: [float(x) / N for x in m] for key, m in total.items()},
-            "log_positions": [math.log(s + cfg.bos) for s in lengths]}
+            "log_positions": [math.log(s + (1 if cfg.bos else 0)) for s in lengths]}
 
 
 # ------------------------------- the main command's figures (matplotlib's object API: no screen)
@@ -347,23 +343,30 @@ def new_figure(ncols=1):
     return fig, fig.subplots(1, ncols)
 
 
-def plot_length(metrics, cfg, raw=None, average="EMA"):
-    """length.png: TVD, invalid mass and attention entropy against length. Entropy is shown
-    minus its largest value, log(positions seen): 0 is uniform attention (theory.md, 4)."""
+def plot_length(metrics, cfg, raw=None, average="EMA", laws=True):
+    """length.png. Left: TVD, 0 to 1. Middle: the logit gap (log scale) and theory.md's laws
+    matched at the longest training length L: 1/s (Pre-Norm) and v / sqrt(s (v - s)) (Post-
+    Norm). Right: attention entropy minus log(positions seen): 0 is uniform attention."""
     fig, axes = new_figure(3)
-    s = metrics["length"]
-    deficit = lambda m: [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]
-    for ax, key, title in zip(axes, ("tvd", "invalid_mass", "attn"),
-                              ("TVD to the exact target", "invalid mass (on seen tokens)",
-                               "attention entropy - log(positions)")):
-        get = deficit if key == "attn" else lambda m: m[key]
-        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-        if raw:
-            ax.plot(s, get(raw), color="tab:gray", lw=1.2, label="raw weights")
-        ax.plot(s, get(metrics), color="tab:blue", lw=2, label=average if raw else "model")
-        low = min(-0.1, *get(metrics), *(get(raw) if raw else [])) if key == "attn" else 0
-        ax.set(xlabel="prefix length s", title=title, xlim=(0.5, s[-1] + 0.5), ylim=(low, None))
-        ax.legend(fontsize=8)
+    s, L, v = metrics["length"], cfg.train_len, cfg.vocab
+    runs = ([(raw, "tab:gray", 1.2, "raw weights")] if raw else []) + [
+        (metrics, "tab:blue", 2, average if raw else "model")]
+    for m, color, lw, label in runs:
+        axes[0].plot(s, m["tvd"], color=color, lw=lw, label=label)
+        axes[1].plot(s, m["logit_gap"], color=color, lw=lw)
+        axes[2].plot(s, [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])],
+                     color=color, lw=lw)
+    if laws:   # Set Complement's laws (theory.md, sections 2 and 4)
+        g = metrics["logit_gap"][L - 1]
+        axes[1].plot(s, [g * L / x for x in s], "k:", label="law of pre: 1/s")
+        axes[1].plot(s, [g * math.sqrt(L * (v - L) / (x * (v - x))) for x in s], "k--", lw=1,
+                     label="law of post: v / sqrt(s (v-s))")
+    for ax, title, y in zip(axes, ("TVD to the exact target", "logit gap: unseen - seen",
+                                   "attention entropy - log(positions)"),
+                            (dict(ylim=(0, 1)), dict(yscale="log"), dict(ylim=(-1, 0.2)))):
+        ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths", zorder=0)
+        ax.set(xlabel="prefix length s", title=title, xlim=(0.5, s[-1] + 0.5), **y)
+        ax.legend(fontsize=7)
     fig.suptitle(f"norm={cfg.norm}, targets={cfg.targets}, seed={cfg.seed}", fontsize=10)
     return fig
 
@@ -375,8 +378,8 @@ def hand_built(vocab, norm, gamma=1.0):
       E[x] = e_(v+x)         token x sits in the second half of the features
       W_V W_O                writes the centred one-hot e_x - 1/v into the first half
       U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
-    The readout never sees the second half, so the logit bias B = E U = 0 (theory.md, 1).
-    nn.Linear stores W as (out, in); theory.md's row vectors multiply its transpose."""
+    The readout never sees the second half, so B = E U = 0. (nn.Linear stores W as (out, in):
+    the transpose of theory.md's row-vector matrices.)"""
     v, n = vocab, 2 * vocab   # float64, so that TVDs far below 1e-7 are exact
     model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
     attn, eye = model.blocks[0].attn, lambda k: torch.eye(k, dtype=torch.double)
@@ -391,30 +394,6 @@ def hand_built(vocab, norm, gamma=1.0):
     return model.eval()
 
 
-def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
-    """theory.md, sections 3 and 5: logit of an unseen token minus logit of a seen one, at
-    length s, for hand_built(vocab, norm, gamma). The values' average u_bar = 1_t / s - 1/v has
-    seen-unseen difference 1/s; each LayerNorm divides by the spread of what it sees."""
-    n = 2 * vocab
-    var_1 = (n - 1) / n**2 + eps   # the input LN (pre, pre-final) sees one token e_(v+x)
-    if norm == "pre":
-        return gamma / (s * math.sqrt(var_1))
-    if norm == "pre-final":        # the final LN sees that token plus u_bar / sqrt(var_1)
-        var_f = (1 + (1 / s - 1 / vocab) / var_1) / n - 1 / n**2
-        return gamma / (s * math.sqrt(var_1) * math.sqrt(var_f + eps))
-    var = {"post": (1 / s - 1 / vocab) / n,                          # u_bar alone: shrinks
-           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + u_bar
-           }[norm]
-    return gamma / (s * math.sqrt(var + eps))
-
-
-def predicted_tvd(vocab, s, margin):
-    """theory.md, 3: with balanced logits, TVD = invalid mass = s e^-m / (s e^-m + v - s)
-    (written with e^-m, which cannot overflow for the large margins of large v)."""
-    e = math.exp(-margin) if margin > -700 else math.inf
-    return 1.0 if e == math.inf else s * e / (s * e + vocab - s)
-
-
 # ======================================= Part 2: what reproduces the experiments (skip at first)
 
 import argparse  # noqa: E402  (Part 2's own imports, here so that Part 1 reads alone)
@@ -425,6 +404,7 @@ import io  # noqa: E402
 import json  # noqa: E402
 import pickle  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -474,7 +454,7 @@ def average_name(cfg):
 # SetComplement's four methods. Tokens: 0 .. k-1 open brackets, k .. 2k-1 their closes, 2k
 # END. A stream is a run of strings, each ended by END, after which the next string starts
 # from the empty state; so every position has an exact next-token distribution, given by a
-# small automaton (theory.md, section 8).
+# small automaton (theory.md, Appendix D).
 
 
 def language_state(cfg, n):
@@ -746,7 +726,7 @@ def run_one(cfg, out, save=None):
           f"[{NORMS[cfg.norm]}], averaging={average_name(cfg)}, targets={cfg.targets}, "
           f"lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, device={pick_device(cfg.device)}")
     t0 = time.time()
-    model, averagers, losses = train(cfg, averagers=averagers_for(cfg), task=task)
+    model, averagers, losses = train(cfg, average_with=averagers_for(cfg), task=task)
     train_time = time.time() - t0
     metrics = raw = evaluate(model, task=task)
     if averagers:
@@ -769,7 +749,8 @@ def run_one(cfg, out, save=None):
         line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"
     print(line)
     # Everything is rendered before anything is written.
-    files = {"length.png": figure_bytes(plot_length(metrics, cfg, raw, average_name(cfg))),
+    laws = isinstance(task, SetComplement)
+    files = {"length.png": figure_bytes(plot_length(metrics, cfg, raw, average_name(cfg), laws)),
              "loss.png": figure_bytes(plot_loss(losses, task.loss_floor()))}
     record = {"config": asdict(cfg), **metrics, "summary": summary,
               "train_seconds": round(train_time, 2)}
@@ -813,8 +794,8 @@ def compare_one(cfg, averages=("ema", "bema"), threads=None):
         torch.set_num_threads(threads)
     t0 = time.time()
     task = make_task(cfg)
-    model, avgs, _ = train(cfg, log=lambda *a: None, averagers=[AVERAGERS[a] for a in averages],
-                           task=task)
+    model, avgs, _ = train(cfg, log=lambda *a: None,
+                           average_with=[AVERAGERS[a] for a in averages], task=task)
     result = {"raw": evaluate(model, task=task)}
     result.update({a: evaluate(averaged_copy(model, avg), task=task)
                    for a, avg in zip(averages, avgs)})
@@ -892,8 +873,8 @@ def mean_sd(values, digits=3):
 
 def gap_laws(v):
     """theory.md's laws for the logit gap, as (norm, what, says, function of (s, gap)) that
-    should be constant in s: Pre-Norm's gap falls like 1/s (section 3), Post-Norm's like
-    v / sqrt(s (v - s)) (section 5: slower, and never below its value at s = v / 2)."""
+    should be constant in s: Pre-Norm's gap falls like 1/s (section 2), Post-Norm's like
+    v / sqrt(s (v - s)) (section 4: slower, and never below its value at s = v / 2)."""
     return [("pre", "gap x s", "constant: the gap falls like 1/s", lambda s, g: g * s),
             ("post", "gap x sqrt(s (v-s)) / v",
              "constant: the gap follows v / sqrt(s (v-s)), lowest at s = v/2",
@@ -901,7 +882,7 @@ def gap_laws(v):
 
 
 def columns(L, v):
-    """The comparison's columns, fixed before any run (README, "Protocol"): mean TVD over the
+    """The comparison's columns, fixed before any run (theory.md, Appendix F): mean TVD over the
     training lengths; TVD at 1.5, 2 and 4 times the longest training length L (where that
     length exists, s <= v - 1); mean TVD over every longer length; TVD at s = v - 1."""
     cols = [("training lengths", lambda m: summarize(m, L)["tvd_train"])]
@@ -1133,7 +1114,7 @@ def compare(base, out, long=False):
     print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
 # ----------------------------------------------------------------------------- alternatives
-# python resharpen.py --alternatives: would another remedy do as well? (theory.md, section 9)
+# python resharpen.py --alternatives: would another remedy do as well? (theory.md, Appendix E)
 
 
 class LogLengthAttention(CausalSelfAttention):
@@ -1198,6 +1179,8 @@ def plot_alternatives(named, cfg):
         top = dict(lw=3, zorder=5) if name.startswith("post") else dict(lw=1.5, zorder=3)
         top["ls"] = ("-", "--")[i % 2]   # dashed every other remedy: equal curves stay visible
         top["zorder"] += i % 2
+        if name == "pre":                # wide and underneath: the remedies that change
+            top.update(lw=4.5, zorder=1)  # nothing are drawn on top of it
         _band(ax1, s, [r["ema"]["tvd"] for r in results], name, color, **top)
         _band(ax2, s, [[g * x for x, g in zip(s, r["ema"]["logit_gap"])] for r in results],
               None, color, **top)
@@ -1248,7 +1231,7 @@ def alternatives(base, out):
 # ----------------------------------------------------------------------------- search
 # python resharpen.py --search N: is the effect a property of the method or of the defaults?
 
-SEARCH_N = 40            # the pre-registered size of the committed search (README, "Protocol")
+SEARCH_N = 40            # the pre-registered size of the committed search (theory.md, App. F)
 SEARCH_DEFAULT = 4       # a reader's quick version: 12 runs, a few minutes on 2 cores
 SEARCH_ARMS = ("pre", "pre-final", "post")   # trained from the same seed: paired
 SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subgroups
@@ -1424,7 +1407,7 @@ def search(base, out, n):
         rows.append(f"| {i} | {c.vocab} | {L} | {c.n_head} | {c.n_embd} | {c.lr:.2g} | "
                     f"{c.batch_size} | {c.steps} | {cells} | {'yes' if win else 'no'} |")
     text = (f"Written by `python resharpen.py --search {n}` (seed {base.seed}; ranges in "
-            "`search_configs`; protocol in the README, \"Protocol\").\n\n"
+            "`search_configs`; protocol in theory.md, Appendix F).\n\n"
             f"Primary endpoint (EMA {COMPARE_EMA} weights, all {n} configurations): the TVD at "
             f"twice the longest training length was lower with `post` than with `pre-final` in "
             f"{fmt(p).split(' |')[0]}; two-sided sign test p = {p['sign_p']:.3g}, Wilcoxon "
@@ -1451,7 +1434,7 @@ SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffl
 # Counting and matching brackets need more than a bag of tokens: two layers (the second
 # reads what the first computed at every position), an MLP to read counts, and a BOS
 # token, whose share of uniform attention, 1 / (t + 1), tells the model how long its
-# prefix is (theory.md, section 8). Trained on lengths 1..16, tested to 64.
+# prefix is (theory.md, Appendix D). Trained on lengths 1..16, tested to 64.
 SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True,
                    dropout=0.0, steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant",
                    targets="sampled")
@@ -1524,8 +1507,31 @@ def suite(base, out, **overrides):
 HAND_BUILT_NORMS = tuple(NORMS)
 
 
+def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
+    """theory.md, sections 2 and 4 and Appendix C: unseen minus seen logit at length s for
+    hand_built(vocab, norm, gamma). The values' average u_bar = 1_t / s - 1/v has seen-unseen
+    difference 1/s; each LayerNorm divides it by the spread of what it sees."""
+    n = 2 * vocab
+    var_1 = (n - 1) / n**2 + eps   # the input LN (pre, pre-final) sees one token e_(v+x)
+    if norm == "pre":
+        return gamma / (s * math.sqrt(var_1))
+    if norm == "pre-final":        # the final LN sees that token plus u_bar / sqrt(var_1)
+        var_f = (1 + (1 / s - 1 / vocab) / var_1) / n - 1 / n**2
+        return gamma / (s * math.sqrt(var_1) * math.sqrt(var_f + eps))
+    var = {"post": (1 / s - 1 / vocab) / n,                          # u_bar alone: shrinks
+           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + u_bar
+           }[norm]
+    return gamma / (s * math.sqrt(var + eps))
+
+
+def predicted_tvd(vocab, s, margin):
+    """theory.md's TVD of balanced logits with margin m, s / (s + (v - s) e^m), written so
+    that a large margin cannot overflow."""
+    return 1 / (1 + (vocab - s) / s * math.exp(min(margin, 700)))
+
+
 def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
-    """theory.md, section 2: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
+    """theory.md, Appendix A: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
     attention, no norm), with B = E U and D = E W_V W_O U of the given widths, to balanced
     logits at lengths 1 and 2 with m_1 = 2, m_2 = 1: -2 e_x for (x), -(e_x + e_y) for
     (x, y), each up to a constant. Returns the root-mean-square residual (Adam, cosine
@@ -1582,11 +1588,31 @@ def theory(vocab, train_len, out):
     for ax in (ax1, ax2):
         ax.axvspan(0.5, train_len + 0.5, color="0.9")
         ax.set_xlabel("prefix length s")
-    ax1.set(ylabel="margin: unseen minus seen logit", title="hand-built margins (theory.md 3, 5)")
+    ax1.set(ylabel="margin: unseen minus seen logit", title="hand-built margins (theory.md 2, 4, App. C)")
     ax2.set(ylabel="TVD (equal to the invalid mass)", title="hand-built TVD", ylim=(1e-9, 1.5))
     fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+    fig.suptitle(f"hand-built models, v = {vocab}: each readout scale gamma chosen so that the "
+                 f"margin is 6 at s = {train_len} (the longest training length)", fontsize=10)
     written = write_outputs(out, {"theory.png": figure_bytes(fig)})
     print(f"\nwrote {', '.join(written)}")
+
+# ----------------------------------------------------------------------------- hand-out
+# python resharpen.py --handout: the exercises for a class, without the answers
+
+
+def handout(out):
+    """Write the README's Exercises section alone to OUT/exercises.md: no Answers section, no
+    paragraph for the teacher (those start with '*For the teacher'), no links into the README."""
+    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("\n## Exercises\n", 1)[1].split("\n## Answers", 1)[0]
+    kept = [p for p in section.split("\n\n") if not p.lstrip().startswith("*For the teacher")]
+    body = "\n\n".join(kept).strip()
+    body = re.sub(r"\[([^\]]+)\]\(#[^)]*\)", r"\1", body)   # [text](#anchor) -> text
+    md = f"# Exercises: Post-Norm can Resharpen Attention (resharpen.py)\n\n{body}\n"
+    written = write_outputs(out, {"exercises.md": md.encode("utf-8")})
+    print(f"wrote {', '.join(written)}: the exercises without the answers")
 
 # ----------------------------------------------------------------------------- command line
 
@@ -1635,7 +1661,7 @@ def run_seconds(cfg):
 
 def planned_runs(args, cfg, given):
     """Every configuration the command will train, so that each is checked before the first."""
-    if args.theory:
+    if args.theory or args.handout:
         return []
     if args.compare or args.long:
         base = replace(cfg, **LONG_MODEL) if args.long else cfg
@@ -1678,7 +1704,7 @@ def path_problem(path, folder):
     return None
 
 
-MODE_FILES = {"theory": ["theory.png"], "compare": ["compare.md", "compare.json"],
+MODE_FILES = {"theory": ["theory.png"], "handout": ["exercises.md"], "compare": ["compare.md", "compare.json"],
               "long": ["long.md", "long.json", "long.png"], "suite": ["suite.md", "suite.json"],
               "alternatives": ["alternatives.md", "alternatives.json"],
               "search": ["search.md", "search.json", "search.png"]}
@@ -1768,6 +1794,8 @@ def build_parser():
       help="the longer extrapolation: " + ", ".join(f"{k} {v}" for k, v in LONG_MODEL.items())
       + f", placements {', '.join(LONG_NORMS)}, sampled/constant and exact/cosine, "
       f"{COMPARE_SEEDS} seeds; write long.md, long.json and long.png")
+    a("--handout", action="store_true",
+      help="write the README's exercises without their answers to OUT/exercises.md, for a class")
     a("--alternatives", action="store_true",
       help="Pre-Norm with dropout, log-length scaling or BOS against Post-Norm, "
            f"{COMPARE_SEEDS} seeds from --seed; write alternatives.md and .png")
@@ -1791,7 +1819,7 @@ def check_args(args, parser, given, argv=()):
     flags = lambda dests: ", ".join(sorted(f"--{d.replace('_', '-')}" for d in dests))
     language = args.task != "complement"
     grid = (args.theory or args.compare or args.long or args.suite or args.alternatives
-            or args.search)
+            or args.search or args.handout)
     if args.save is not None and grid:
         bad("--save: --theory, --compare, --suite, --alternatives and --search write no "
             "checkpoint")
@@ -1808,6 +1836,8 @@ def check_args(args, parser, given, argv=()):
             "setting itself (it accepts --seed, --device and --out)")
     if args.search is not None and not 1 <= args.search <= 100:
         bad(f"--search must be a number of configurations in 1 .. 100, got {args.search}")
+    if args.handout and given - {"handout", "out"}:
+        bad(f"{flags(given - {'handout', 'out'})}: --handout takes only --out")
     if args.theory and args.vocab > THEORY_VOCAB:
         bad(f"--vocab {args.vocab}: --theory evaluates float64 models of width 2v, at most "
             f"--vocab {THEORY_VOCAB}")
@@ -1873,6 +1903,8 @@ def check_args(args, parser, given, argv=()):
             bad(f"--save {save!r}: give a file name, such as runs/model.pt")
         # The run creates --out, so a checkpoint may go into it even when it is new.
         problem = path_problem(save, folder=False) if folder != out else None
+        if not problem and folder != out and not os.path.isdir(folder):
+            problem = f"its folder {folder} does not exist"
         if problem:
             bad(f"--save {save!r}: {problem}")
         if os.path.realpath(save) in {os.path.join(out, f) for f in names}:
@@ -1945,7 +1977,9 @@ def run_main(argv):
     except ImportError:
         stop("matplotlib is missing: pip install -r requirements.txt", 2)
     try:
-        if args.theory:
+        if args.handout:
+            handout(args.out)
+        elif args.theory:
             theory(cfg.vocab, cfg.train_len, args.out)
         elif args.compare or args.long:
             compare(cfg, args.out, long=args.long)

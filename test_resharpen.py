@@ -746,7 +746,7 @@ def test_a_failed_write_names_what_was_written_and_leaves_no_record(monkeypatch,
         R.main(["--out", str(tmp_path)] + SMALL)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and len(err.splitlines()) == 1
-    assert "No space left" in err and "written: length.png" in err
+    assert "No space left" in err and "length.png" in err.split("written: ")[1]
     assert sorted(os.listdir(tmp_path)) == ["length.png"]   # no metrics.json, no temp file
 
 
@@ -1513,9 +1513,9 @@ def test_readme_main_command_output_is_what_plots_metrics_json_holds():
 def test_readme_results_rows_are_copied_from_the_generated_tables():
     readme = read("README.md")
     results = readme.split("\n## Results", 1)[1].split("\n## Exercises", 1)[0]
-    generated = read("plots/compare.md") + read("plots/alternatives.md")
+    generated = "".join(read(f"plots/{name}.md") for name in ("compare", "long", "search"))
     rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) >= 8
+    assert len(rows) >= 10
     for row in rows:
         assert row in generated, row
 
@@ -1539,19 +1539,39 @@ def test_readme_prose_numbers_match_the_comparison():
         assert fragment in readme, fragment
     compare = read("plots/compare.md")
     wall = compare.split(" s wall")[0].rsplit(" ", 1)[1]
-    assert f"the grid itself took {wall} s" in readme
+    assert f"the grid itself took {wall} s" in readme.split("## Results")[1]
     suite_wall = read("plots/suite.md").split(" s wall")[0].rsplit(" ", 1)[1]
-    assert f"the grid itself took {suite_wall} s" in readme.split("**Formal languages.**")[1]
+    assert f"the grid itself took {suite_wall} s" in readme.split("**Formal languages**")[1]
     suite = read("plots/suite.md").splitlines()
     ema = lambda lang, norm: next(line for line in suite if line.startswith(
         f"| {lang} | `{norm}` | EMA")).split(" | ")[4]       # the extrapolation column
     assert (f"Shuffle-2, Pre-Norm {ema('Shuffle-2', 'pre')}, Post-Norm {ema('Shuffle-2', 'post')}; "
             f"Dyck-(2, 4), {ema('Dyck-(2, 4)', 'pre')} and {ema('Dyck-(2, 4)', 'post')}") in readme
     import json
-    runs = json.loads(read("plots/compare.json"))["runs"]
-    last = [r["ema"]["tvd"][-1] for r in runs if r["config"]["norm"] == "pre"
-            and r["config"]["targets"] == "sampled" and r["config"]["lr_schedule"] == "constant"]
-    assert f"Pre-Norm's error climbs to {sum(last) / len(last):.3f} at s = 31" in readme
+    summary = json.loads(read("plots/compare.json"))["summary"]
+    mean = lambda xs: sum(xs) / len(xs)
+    at = lambda regime, norm, avg, col: f"{mean(summary[regime][norm][avg][col]):.4f}"
+    sc, train, beyond = "sampled, constant", "training lengths", "mean, s = 13..31"
+    for fragment in [
+            f"`post` {at(sc, 'post', 'raw', train)} \u2192 {at(sc, 'post', 'ema', train)}",
+            f"`pre` {at(sc, 'pre', 'raw', train)} \u2192 {at(sc, 'pre', 'ema', train)}",
+            f"s = 13..31: {at(sc, 'post', 'raw', beyond)} \u2192 {at(sc, 'post', 'ema', beyond)}",
+            f"raises `pre`'s ({at(sc, 'pre', 'raw', beyond)} \u2192 {at(sc, 'pre', 'ema', beyond)})",
+            f"all four placements (`post` {at(sc, 'post', 'bema', beyond)})"]:
+        assert fragment in readme, fragment
+    # "as in every regime": the EMA raises pre's extrapolation TVD in all four regimes
+    assert all(mean(summary[r]["pre"]["ema"][beyond]) > mean(summary[r]["pre"]["raw"][beyond])
+               for r in summary)
+    # "BEMA beats the EMA there for all four placements"
+    assert all(mean(summary[sc][n]["bema"][beyond]) < mean(summary[sc][n]["ema"][beyond])
+               for n in R.NORMS)
+    cross = {r: summary[r]["crossover"]["ema"] for r in summary}
+    assert (cross["sampled, constant"], cross["sampled, cosine"], cross["exact, constant"],
+            cross["exact, cosine"]) == (20, 22, 31, None)
+    for fragment in ["from s = 20 in the first panel, 22 in the second, only at s = 31 in the "
+                     "third, and never in the last",
+                     "`post` is the best from s = 20 (constant rate) or 22 (cosine) on"]:
+        assert fragment in readme, fragment
 
 # ----------------------------------------------------------------------------- other remedies
 
@@ -2235,3 +2255,141 @@ def test_broken_output_streams_and_signals_end_in_one_line(tmp_path):
         err = p.stderr.read().decode()
         assert len(err.strip().splitlines()) == 1 and "nothing was written" in err, err
         assert not out.exists()
+
+# ----------------------------------------------------------------------------- graders
+# Write-the-code exercises (README, Exercises 9-11): the student copies resharpen.py to
+# mine.py, rewrites one piece, and runs
+#     RESHARPEN=mine.py python -m pytest -q -k write_ema        (or write_post, write_metrics)
+# Each grader checks that module's piece against an independent reference and says which
+# check failed and what it expected. Without RESHARPEN they grade resharpen.py itself.
+
+
+def student_module():
+    """The module named by the environment variable RESHARPEN (default: resharpen.py)."""
+    import importlib.util
+    path = os.environ.get("RESHARPEN")
+    if not path:
+        return R
+    spec = importlib.util.spec_from_file_location("student_resharpen", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grade_ema(M):
+    """EMA.update with its bias correction: after t updates, averaged() must equal
+    sum_i (1 - w) w^(t-i) theta_i / (1 - w^t), whatever the initialization was."""
+    for decay in (0.5, 0.9):
+        model = torch.nn.Linear(3, 2, bias=False)
+        ema = M.EMA(model, decay)
+        thetas = [torch.randn(2, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+        for t, theta in enumerate(thetas, start=1):
+            with torch.no_grad():
+                model.weight.copy_(theta)
+            ema.update(model)
+            want = sum((1 - decay) * decay ** (t - i) * th
+                       for i, th in enumerate(thetas[:t], start=1)) / (1 - decay**t)
+            got = ema.averaged()[0]
+            assert torch.allclose(got, want, atol=1e-6), (
+                f"EMA(decay={decay}) after update {t}: averaged() differs from the bias-corrected "
+                f"average sum_i (1-w) w^(t-i) theta_i / (1-w^t) by {(got - want).abs().max():.3g}"
+                + (" (after one update it must equal theta_1 exactly)" if t == 1 else ""))
+        assert all(torch.equal(w, th) for w, th in zip(model.parameters(), [thetas[-1]])), (
+            "EMA.update changed the model's own weights: it must only read them")
+
+
+def grade_post(M):
+    """The 'post' branch of Block.forward: x + LN(Attn(x)), then x + LN(MLP(x)) with --mlp,
+    against PyTorch's own causal attention and layer norm on the block's weights."""
+    for mlp in (False, True):
+        cfg = M.Config(vocab=7, n_embd=8, n_head=2, norm="post", mlp=mlp)
+        block = randomize(M.Block(cfg))
+        x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
+        q, k, v = (t.view(3, 5, 2, 4).transpose(1, 2)
+                   for t in F.linear(x, block.attn.c_attn.weight).split(8, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = F.linear(y.transpose(1, 2).reshape(3, 5, 8), block.attn.c_proj.weight)
+        ln = lambda z, m: F.layer_norm(z, (8,), m.weight, m.bias, m.eps)
+        want = x + ln(a, block.ln_1)
+        if mlp:
+            want = want + ln(block.mlp(want), block.ln_2)
+        got = block(x)[0]
+        assert torch.allclose(got, want, atol=1e-5), (
+            f"Block.forward with norm='post', mlp={mlp}: expected x + LN(Attn(x))"
+            + (" followed by x + LN(MLP(x))" if mlp else "") +
+            f", with ln_1{' and ln_2' if mlp else ''}; largest difference {(got - want).abs().max():.3g}")
+
+
+def grade_metrics(M):
+    """evaluate()'s TVD, invalid mass and logit gap at every length, against a loop over
+    inputs and lengths written from the definitions."""
+    cfg = M.Config(vocab=6, train_len=3, n_embd=8, n_head=2)
+    model = randomize(M.Transformer(cfg)).double()
+    m = M.evaluate(model, n_perm=4)
+    idx = M.SetComplement(cfg).eval_inputs(4)
+    with torch.no_grad():
+        logits = model(idx).double()
+    for s in range(1, cfg.vocab):
+        tvd = invalid = gap = 0.0
+        for b in range(4):
+            z = logits[b, s - 1]
+            q = z.softmax(-1)
+            seen = set(idx[b, :s].tolist())
+            p = torch.tensor([0.0 if j in seen else 1 / (cfg.vocab - s) for j in range(6)],
+                             dtype=torch.double)
+            tvd += 0.5 * (q - p).abs().sum().item() / 4
+            invalid += sum(q[j].item() for j in seen) / 4
+            unseen = [j for j in range(6) if j not in seen]
+            gap += (z[unseen].mean() - z[sorted(seen)].mean()).item() / 4
+        for name, want in (("tvd", tvd), ("invalid_mass", invalid), ("logit_gap", gap)):
+            got = m[name][s - 1]
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (
+                f"evaluate()['{name}'] at length s = {s}: expected {want:.10g} (from the "
+                f"definition, averaged over 4 inputs), got {got:.10g}")
+
+
+def test_write_ema():
+    grade_ema(student_module())
+
+
+def test_write_post():
+    grade_post(student_module())
+
+
+def test_write_metrics():
+    grade_metrics(student_module())
+
+
+WRONG_CODE = {   # plausible mistakes, one per grader: each must fail it
+    grade_ema: ("beta = self.beta(self.t)", "beta = 1 - self.decay"),            # no correction
+    grade_post: ("x = x + self.ln_1(self.drop(a))", "x = self.ln_1(x + self.drop(a))"),  # Vaswani
+    grade_metrics: ("tvd = (q - p).clamp_min(0).sum(-1)", "tvd = (q - p).abs().sum(-1)"),  # no 1/2
+}
+
+
+@pytest.mark.parametrize("grader", list(WRONG_CODE), ids=lambda g: g.__name__)
+def test_each_grader_fails_on_wrong_code_and_passes_on_the_reference(grader, tmp_path,
+                                                                      monkeypatch):
+    grader(R)
+    right, wrong = WRONG_CODE[grader]
+    source = read("resharpen.py")
+    assert source.count(right) == 1
+    path = tmp_path / "mine.py"
+    path.write_text(source.replace(right, wrong), encoding="utf-8")
+    monkeypatch.setenv("RESHARPEN", str(path))
+    with pytest.raises(AssertionError) as e:
+        grader(student_module())
+    assert "expected" in str(e.value) or "differs" in str(e.value)
+
+
+def test_the_handout_has_every_exercise_and_no_answer(tmp_path, capsys):
+    R.main(["--handout", "--out", str(tmp_path)])
+    text = (tmp_path / "exercises.md").read_text(encoding="utf-8")
+    readme = read("README.md")
+    answers = readme.split("\n## Answers", 1)[1].split("\n## ", 1)[0]
+    assert "## Answers" not in text and "For the teacher" not in text and "](#" not in text
+    for n in range(1, 12):
+        assert f"### Exercise {n}." in text
+    for line in answers.splitlines():   # no sentence of the answers leaks into the hand-out
+        if len(line) > 40:
+            assert line not in text, line
