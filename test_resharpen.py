@@ -1,6 +1,7 @@
 """Tests for resharpen.py: each checks one claim against something computed independently
 (a loop over tokens, a closed form, a formula written out by hand). CPU only, seconds."""
 
+import io
 import itertools
 import math
 import os
@@ -2178,19 +2179,35 @@ def test_an_interruption_while_writing_exits_128_plus_signal_and_leaves_no_recor
     assert sorted(os.listdir(tmp_path)) == ["length.png"]   # no record, no temporary file
 
 
-def test_a_changed_checkpoint_is_refused_when_loaded(tmp_path):
-    cfg = R.Config(vocab=6, train_len=3, n_embd=8, steps=2, batch_size=2, device="cpu")
-    model, _, _ = R.train(cfg, log=lambda *a: None)
-    data = R.checkpoint_bytes(model, None, cfg)
+def test_a_changed_checkpoint_is_refused_or_loads_the_same_model(tmp_path):
+    # Every byte flipped in turn: the file is refused, or (a byte of the zip's bookkeeping)
+    # it loads exactly the model that was saved; never another model.
+    cfg = R.Config(vocab=6, train_len=3, n_embd=8, steps=2, batch_size=2, ema=0.9, device="cpu")
+    model, (ema,), _ = R.train(cfg, log=lambda *a: None)
+    data = bytes(R.checkpoint_bytes(model, ema, cfg))
     path = tmp_path / "ck.pt"
     path.write_bytes(data)
-    R.load_checkpoint(str(path))
-    for i in range(len(data) // 3, len(data) // 3 + 40):   # any byte of the payload
+    raw, avg = R.load_checkpoint(str(path), raw=True), R.load_checkpoint(str(path))
+    same = lambda a, b: a.cfg == b.cfg and all(torch.equal(x, y) for x, y in zip(
+        a.state_dict().values(), b.state_dict().values()))
+    refused = 0
+    for i in range(0, len(data), 5):
         bad = bytearray(data)
         bad[i] ^= 0x01
         path.write_bytes(bytes(bad))
-        with pytest.raises(ValueError):
-            R.load_checkpoint(str(path))
+        try:
+            assert same(R.load_checkpoint(str(path), raw=True), raw), i
+            assert same(R.load_checkpoint(str(path)), avg), i
+        except ValueError:
+            refused += 1
+    assert refused > len(data) // 10            # the weights' bytes are most of the file
+    edited = torch.load(io.BytesIO(data), weights_only=True)
+    edited["config"]["norm"] = "post"            # an edited placement is another model
+    buf = io.BytesIO()
+    torch.save(edited, buf)
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(ValueError, match="damaged"):
+        R.load_checkpoint(str(path))
 
 
 def test_theory_tvd_never_overflows():
@@ -2257,7 +2274,7 @@ def test_broken_output_streams_and_signals_end_in_one_line(tmp_path):
         assert not out.exists()
 
 # ----------------------------------------------------------------------------- graders
-# Write-the-code exercises (README, Exercises 9-11): the student copies resharpen.py to
+# Write-the-code exercises (README, Exercises 8-10): the student copies resharpen.py to
 # mine.py, rewrites one piece, and runs
 #     RESHARPEN=mine.py python -m pytest -q -k write_ema        (or write_post, write_metrics)
 # Each grader checks that module's piece against an independent reference and says which
@@ -2313,7 +2330,11 @@ def grade_post(M):
         want = x + ln(a, block.ln_1)
         if mlp:
             want = want + ln(block.mlp(want), block.ln_2)
-        got = block(x)[0]
+        got, att = block(x)
+        scores = (q @ k.transpose(-2, -1)) / 2.0 + torch.full((5, 5), float("-inf")).triu(1)
+        assert torch.allclose(att, scores.softmax(-1), atol=1e-6), (
+            "Block.forward with norm='post' must return the attention weights (B, n_head, T, T) "
+            "as its second value, as the other placements do")
         assert torch.allclose(got, want, atol=1e-5), (
             f"Block.forward with norm='post', mlp={mlp}: expected x + LN(Attn(x))"
             + (" followed by x + LN(MLP(x))" if mlp else "") +
