@@ -19,8 +19,8 @@ from dataclasses import dataclass
 if __name__ == "__main__":   # run as a command; before torch loads (README, "Threads"):
     import signal   # a signal while the libraries load: one line, no traceback
     for _sig in {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGINT)}:
-        signal.signal(_sig, lambda n, f: (sys.stderr.write("interrupted while starting\n"),
-                                          os._exit(128 + n)))
+        signal.signal(_sig, lambda n, f: (sys.stderr.write(
+            "resharpen.py: interrupted while starting; nothing was written\n"), os._exit(128 + n)))
     os.environ.setdefault("GOMP_SPINCOUNT", "400")   # idle threads soon sleep: runs share cores
 
 import torch
@@ -402,7 +402,6 @@ import functools  # noqa: E402
 import hashlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
-import pickle  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
@@ -644,7 +643,7 @@ def checkpoint_hash(ckpt):
     """sha256 of a checkpoint's config and of every tensor's bytes, read in place (no copy)."""
     h = hashlib.sha256(json.dumps(ckpt["config"], sort_keys=True).encode("utf-8"))
     for name, tensor in list(ckpt["model"].items()) + list(enumerate(ckpt.get("ema", []))):
-        h.update(str(name).encode("utf-8"))
+        h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode("utf-8"))
         h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
 
@@ -670,6 +669,9 @@ def load_checkpoint(path, raw=False, device="cpu"):
             raise ValueError(f"{path} is damaged: its contents do not match their sha256")
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
+        shapes = [p.shape for p in model.parameters()]
+        if "ema" in ckpt and [t.shape for t in ckpt["ema"]] != shapes:
+            raise ValueError(f"{path}: its averaged weights do not fit its model")
     except ValueError:
         raise
     except Exception as e:   # a damaged file can fail anywhere in torch.load's parsers
@@ -832,7 +834,15 @@ def run_grid(runs, device, averages=("ema", "bema")):
     t0, done = time.time(), []
     if workers > 1:
         import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_ctrl_c)
+        # The workers and multiprocessing's helper process start with SIGHUP ignored (a
+        # closed terminal hangs up the whole group): this process stops them itself.
+        hup = getattr(signal, "SIGHUP", None)
+        old = signal.signal(hup, signal.SIG_IGN) if hup else None
+        try:
+            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_ctrl_c)
+        finally:
+            if hup:
+                signal.signal(hup, old)
         job = functools.partial(compare_one, averages=averages, threads=1)
         results = pool.imap_unordered(job, runs)
     else:
@@ -1596,7 +1606,8 @@ def theory(vocab, train_len, out):
     for ax in (ax1, ax2):
         ax.axvspan(0.5, train_len + 0.5, color="0.9")
         ax.set_xlabel("prefix length s")
-    ax1.set(ylabel="margin: unseen minus seen logit", title="hand-built margins (theory.md 2, 4, App. C)")
+    ax1.set(ylabel="margin: unseen minus seen logit",
+            title="hand-built margins (theory.md 2, 4, App. C)")
     ax2.set(ylabel="TVD (equal to the invalid mass)", title="hand-built TVD", ylim=(1e-9, 1.5))
     fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     fig.suptitle(f"hand-built models, v = {vocab}: each readout scale gamma chosen so that the "
@@ -1712,15 +1723,19 @@ def path_problem(path, folder):
     return None
 
 
-MODE_FILES = {"theory": ["theory.png"], "handout": ["exercises.md"], "compare": ["compare.md", "compare.json"],
-              "long": ["long.md", "long.json", "long.png"], "suite": ["suite.md", "suite.json"],
-              "alternatives": ["alternatives.md", "alternatives.json"],
+MODE_FILES = {"theory": ["theory.png"], "handout": ["exercises.md"],
+              "compare": ["compare.md", "compare.json", "compare_regimes.png",
+                          "compare_norms.png", "compare_dispersion.png", "compare_noise.png"],
+              "long": ["long.md", "long.json", "long.png"],
+              "suite": ["suite.md", "suite.json", "suite.png"],
+              "alternatives": ["alternatives.md", "alternatives.json", "alternatives.png"],
               "search": ["search.md", "search.json", "search.png"]}
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line naming what is wrong, exit code 2: no usage dump, no traceback."""
+        message = message.replace("\n", "\\n").replace("\r", "\\r")
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
@@ -1829,8 +1844,8 @@ def check_args(args, parser, given, argv=()):
     grid = (args.theory or args.compare or args.long or args.suite or args.alternatives
             or args.search or args.handout)
     if args.save is not None and grid:
-        bad("--save: --theory, --compare, --suite, --alternatives and --search write no "
-            "checkpoint")
+        bad("--save: only a single training run writes a checkpoint (not --theory, --compare, "
+            "--long, --suite, --alternatives, --search or --handout)")
     if "norm" in given and sum(t == "--post-norm" for t in argv) and sum(
             t == "--norm" or t.startswith("--norm=") for t in argv):
         bad("--post-norm: it means --norm post; give one of the two")
@@ -1879,7 +1894,10 @@ def check_args(args, parser, given, argv=()):
     if not args.suite and args.train_len > top:
         bad(f"--train-len must be in 1 .. {top}" + (" (vocab - 1)" if not language else "") +
             f", got {args.train_len}")
-    if (args.compare or args.alternatives) and args.train_len > args.vocab - 2:
+    if args.compare and 2 * args.train_len > args.vocab - 1:
+        bad(f"--train-len: --compare reports the TVD at twice the training length, so at most "
+            f"(vocab - 1) / 2 = {(args.vocab - 1) // 2}; got {args.train_len}")
+    if args.alternatives and args.train_len > args.vocab - 2:
         bad(f"--train-len: --compare and --alternatives need lengths beyond training, so at "
             f"most vocab - 2 = {args.vocab - 2}; got {args.train_len}")
     if not 0 <= args.ema < 1:
@@ -1890,8 +1908,6 @@ def check_args(args, parser, given, argv=()):
         bad(f"--lr must be a positive number, got {args.lr}")
     if not 0 <= args.seed <= SEED_LIMIT:
         bad(f"--seed must be in 0 .. {SEED_LIMIT}, got {args.seed}")
-    if args.n_embd % args.n_head:
-        bad(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
     present = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if not present.get(args.device, True):
         allowed = ", ".join(["auto", "cpu"] + [d for d, ok in present.items() if ok])
@@ -1903,7 +1919,7 @@ def check_args(args, parser, given, argv=()):
     names = MODE_FILES[mode] if mode else ["metrics.json", "length.png", "loss.png"]
     for name in names:
         if os.path.isdir(os.path.join(args.out, name)):
-            bad(f"--out {args.out}: {name} there is a folder, and this run writes a file there")
+            bad(f"--out {args.out!r}: {name} there is a folder, and this run writes a file there")
     if args.save is not None:
         save, out = args.save, os.path.realpath(args.out)
         folder = os.path.dirname(os.path.realpath(save)) if save else ""
@@ -1912,15 +1928,22 @@ def check_args(args, parser, given, argv=()):
         # The run creates --out, so a checkpoint may go into it even when it is new.
         problem = path_problem(save, folder=False) if folder != out else None
         if not problem and folder != out and not os.path.isdir(folder):
-            problem = f"its folder {folder} does not exist"
+            problem = f"its folder {folder!r} does not exist"
+        if os.path.lexists(save) and not os.path.isfile(save):
+            problem = problem or "exists and is not a regular file"
+        if (out + os.sep).startswith(os.path.realpath(save) + os.sep):
+            problem = problem or "is a folder that --out needs"
         if problem:
             bad(f"--save {save!r}: {problem}")
         if os.path.realpath(save) in {os.path.join(out, f) for f in names}:
-            bad(f"--save {save}: that is one of the run's own outputs in --out {args.out}")
+            bad(f"--save {save!r}: that is one of the run's own outputs in --out {args.out!r}")
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
     cfg = language_config(cfg) if language else cfg
     runs = planned_runs(args, cfg, given)
     for run in runs:
+        if run.n_embd % run.n_head:
+            bad(f"--n-head {run.n_head}: the width (--n-embd, {run.n_embd} here) must be "
+                "divisible by it")
         if run.task != "complement" and run.train_len > LANGUAGE_TRAIN_LEN:
             bad(f"--train-len {run.train_len}: a language trains on at most "
                 f"{LANGUAGE_TRAIN_LEN} positions")
@@ -1938,6 +1961,7 @@ def check_args(args, parser, given, argv=()):
 
 
 def stop(message, code):
+    message = message.replace("\n", "\\n").replace("\r", "\\r")   # one line, whatever a path holds
     print(f"resharpen.py: {message}", file=sys.stderr)
     sys.exit(code)
 
@@ -1946,11 +1970,16 @@ STOP_SIGNALS = {getattr(signal, name): name for name in ("SIGINT", "SIGTERM", "S
                 if hasattr(signal, name)}
 
 
+def ignore_stop_signals():
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(OSError, ValueError):   # several signals at once
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def on_stop_signal(signum, frame):
     """Ctrl-C, SIGTERM (a scheduler, kill) and SIGHUP (a closed terminal) stop the run alike:
     later signals are ignored while it cleans up; main() prints one line."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()
     raise Interrupted(signum)
 
 
@@ -1965,9 +1994,16 @@ def main(argv=None):
         signal.signal(sig, on_stop_signal)
     try:
         run_main(argv)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    except (Interrupted, KeyboardInterrupt) as e:   # also while parsing and checking
+        ignore_stop_signals()                         # exiting: later signals change nothing
+        signum = getattr(e, "signum", signal.SIGINT)
+        name = "Ctrl-C" if signum == signal.SIGINT else STOP_SIGNALS.get(signum, str(signum))
+        written = getattr(e, "written", None)
+        stop(f"interrupted ({name}) while writing; written: {', '.join(written)}; the JSON "
+             "record was not, so that set is incomplete" if written else
+             f"interrupted ({name}); nothing was written", 128 + int(signum))
+    for sig, handler in previous.items():   # called from Python (tests): as it was
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def run_main(argv):
@@ -2003,17 +2039,13 @@ def run_main(argv):
         stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
     except WriteError as e:
         stop(str(e), 1)
-    except (Interrupted, KeyboardInterrupt) as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        name = "Ctrl-C" if signum == signal.SIGINT else STOP_SIGNALS.get(signum, str(signum))
-        written = getattr(e, "written", None)
-        stop(f"interrupted ({name}) while writing; written: {', '.join(written)}; the JSON "
-             "record was not, so that set is incomplete" if written else
-             f"interrupted ({name}); nothing was written", 128 + int(signum))
     except oom:
         stop("out of memory; try a smaller --batch-size, --vocab or --n-embd. Nothing was "
              "written.", 1)
     except RuntimeError as e:
+        if "overflow" in str(e).lower():   # an --lr beyond float32 (about 3e38)
+            stop(f"stopped: {str(e).splitlines()[0][:80]}; try a smaller --lr. Nothing was "
+                 "written.", 1)
         if "alloc" not in str(e).lower() and "out of memory" not in str(e).lower():
             raise
         stop(f"out of memory ({str(e).splitlines()[0][:80]}); try a smaller --batch-size, "

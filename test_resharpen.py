@@ -1557,7 +1557,8 @@ def test_readme_prose_numbers_match_the_comparison():
             f"`post` {at(sc, 'post', 'raw', train)} \u2192 {at(sc, 'post', 'ema', train)}",
             f"`pre` {at(sc, 'pre', 'raw', train)} \u2192 {at(sc, 'pre', 'ema', train)}",
             f"s = 13..31: {at(sc, 'post', 'raw', beyond)} \u2192 {at(sc, 'post', 'ema', beyond)}",
-            f"raises `pre`'s ({at(sc, 'pre', 'raw', beyond)} \u2192 {at(sc, 'pre', 'ema', beyond)})",
+            f"raises `pre`'s ({at(sc, 'pre', 'raw', beyond)} \u2192 "
+            f"{at(sc, 'pre', 'ema', beyond)})",
             f"all four placements (`post` {at(sc, 'post', 'bema', beyond)})"]:
         assert fragment in readme, fragment
     # "as in every regime": the EMA raises pre's extrapolation TVD in all four regimes
@@ -1571,7 +1572,7 @@ def test_readme_prose_numbers_match_the_comparison():
             cross["exact, cosine"]) == (20, 22, 31, None)
     for fragment in ["from s = 20 in the first panel, 22 in the second, only at s = 31 in the "
                      "third, and never in the last",
-                     "`post` is the best from s = 20 (constant rate) or 22 (cosine) on"]:
+                     "`post` is below `pre-final` from s = 20 (constant rate) or 22 (cosine) on"]:
         assert fragment in readme, fragment
 
 # ----------------------------------------------------------------------------- other remedies
@@ -1892,7 +1893,8 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
     W = torch.zeros(n, n, dtype=DT)
     W[r:, :r] = torch.eye(r, dtype=DT)
     U = torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)])
-    M = torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=DT) + 2 * torch.eye(n, dtype=DT)
+    M = (torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=DT)
+         + 2 * torch.eye(n, dtype=DT))
     Mi = torch.linalg.inv(M)
     E2, W2, U2 = E @ M, Mi @ W @ M, Mi @ U
     model = text_model(E2, U2, W2, torch.eye(n, dtype=DT))
@@ -1947,7 +1949,8 @@ def test_common_part_regimes_sqrt_2_and_s_star():
     v, n = 16, 40
     g = torch.Generator().manual_seed(2)
     for w, scale, norm in [(1.0, 0.05, "rms"), (0.7, 0.04, "layer"), (2.0, 0.1, "rms")]:
-        c = torch.cat([torch.full((v,), scale, dtype=DT), torch.randn(n - v, generator=g, dtype=DT) * scale])
+        c = torch.cat([torch.full((v,), scale, dtype=DT),
+                       torch.randn(n - v, generator=g, dtype=DT) * scale])
         cp = c if norm == "rms" else c - c.mean()
         c2 = cp.pow(2).sum().item()
         s_star = 1 / (c2 / w**2 + 1 / v)
@@ -1959,8 +1962,8 @@ def test_common_part_regimes_sqrt_2_and_s_star():
             ubar[:v] += w * (torch.tensor([1.0] * s + [0.0] * (v - s), dtype=DT) / s - 1 / v)
             out = layer(ubar)
             gap = (out[:s].mean() - out[s:v].mean()).item()
-            assert gap == pytest.approx(w * math.sqrt(n) / s / math.sqrt(c2 + w * w * (1 / s - 1 / v)),
-                                        rel=1e-10)
+            want = w * math.sqrt(n) / s / math.sqrt(c2 + w * w * (1 / s - 1 / v))
+            assert gap == pytest.approx(want, rel=1e-10)
             if s >= s_star:
                 ratio = gap / (w * math.sqrt(n) / (s * math.sqrt(c2)))
                 above += 1
@@ -2338,7 +2341,8 @@ def grade_post(M):
         assert torch.allclose(got, want, atol=1e-5), (
             f"Block.forward with norm='post', mlp={mlp}: expected x + LN(Attn(x))"
             + (" followed by x + LN(MLP(x))" if mlp else "") +
-            f", with ln_1{' and ln_2' if mlp else ''}; largest difference {(got - want).abs().max():.3g}")
+            f", with ln_1{' and ln_2' if mlp else ''}; largest difference "
+            f"{(got - want).abs().max():.3g}")
 
 
 def grade_metrics(M):
