@@ -943,14 +943,16 @@ def compare_summary(rows, L, v, norms, regimes):
 def compare_table(summary, L, v, norms, wall, n_runs, workers, laws=None):
     """Markdown: the headline (placements x regimes, EMA weights), then every regime in full."""
     mean = lambda xs: sum(xs) / len(xs)
-    two = f"s = {round(2 * L)} (2 L)"
+    at = [f"s = {r * L} ({r} L)" for r in (2, 4) if r * L <= v - 1]   # 2 L, and 4 L if tested
     regimes = list(summary)
-    out = [f"### Headline: TVD on the training lengths / at 2 L = {2 * L} (EMA {COMPARE_EMA}, "
-           f"mean of {COMPARE_SEEDS} seeds)", "",
-           "| placement | " + " | ".join(regimes) + " |", "|---" * (len(regimes) + 1) + "|"]
+    out = ["### Headline: TVD on the training lengths / at " + " / at ".join(
+               f"{r} L = {r * L}" for r in (2, 4) if r * L <= v - 1) +
+           f" (EMA {COMPARE_EMA}, mean of {COMPARE_SEEDS} seeds)", "",
+           "| placement | " + " | ".join(regimes) + " |",
+           "|---" * (len(regimes) + 1) + "|"]
     for norm in norms:
-        cells = [f"{mean(summary[r][norm]['ema']['training lengths']):.4f} / "
-                 f"{mean(summary[r][norm]['ema'][two]):.4f}" for r in regimes]
+        cells = [" / ".join(f"{mean(summary[r][norm]['ema'][c]):.4f}"
+                            for c in ["training lengths"] + at) for r in regimes]
         out.append(f"| `{norm}` | " + " | ".join(cells) + " |")
     if "post" in norms and "pre-final" in norms:
         cross = [summary[r]["crossover"]["ema"] for r in regimes]
