@@ -1380,6 +1380,7 @@ def search_losses(configs, results):
 
 def plot_search(configs, results):
     """search.png: the paired ratio at 2 L against the pair's training TVD, per rival."""
+    import matplotlib.ticker
     fig, axes = new_figure(2)
     for ax, rival in zip(axes, ("pre-final", "pre")):
         for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
@@ -1391,6 +1392,12 @@ def plot_search(configs, results):
             ax.axvline(t, color="0.7", lw=0.8, ls=":")
         ax.set(xscale="log", yscale="log", xlabel="training-length TVD (worse of the pair)",
                ylabel=f"TVD at 2 L: {rival} / post", title=f"above 1: post beats {rival}")
+        for axis, ticks in ((ax.xaxis, (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)),
+                            (ax.yaxis, (0.5, 1, 2, 5, 10))):   # plain numbers, no overlap
+            lo, hi = axis.get_view_interval()
+            shown = [t for t in ticks if lo <= t <= hi]
+            axis.set_ticks(shown, labels=[f"{t:g}" for t in shown])
+            axis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=8)
     return fig
 
