@@ -21,7 +21,7 @@ if __name__ == "__main__":   # run as a command; before torch loads (README, "Th
     for _sig in {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGINT)}:
         signal.signal(_sig, lambda n, f: (sys.stderr.write(
             "resharpen.py: interrupted while starting; nothing was written\n"), os._exit(128 + n)))
-    os.environ.setdefault("GOMP_SPINCOUNT", "400")   # idle threads soon sleep: runs share cores
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")   # idle threads soon sleep: runs share cores
 
 import torch
 import torch.nn as nn
@@ -1768,7 +1768,7 @@ def build_parser():
                f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language; and a run whose "
                f"estimated peak memory is over {MEMORY_LIMIT // 2**30} GiB is refused\n\n"
                "threads: torch uses one per core. On Linux, idle threads spin only briefly "
-               "(GOMP_SPINCOUNT=400),\nso that two runs at once share the cores well; set "
+               "(GOMP_SPINCOUNT=1000),\nso that two runs at once share the cores well; set "
                "OMP_NUM_THREADS=1 (or GOMP_SPINCOUNT) to override.")
     a = p.add_argument
     a("--task", choices=["complement", "dyck", "shuffle"], default=d.task,
