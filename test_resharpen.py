@@ -1574,6 +1574,13 @@ def test_readme_prose_numbers_match_the_comparison():
     # "BEMA beats the EMA there for all four placements"
     assert all(mean(summary[sc][n]["bema"][beyond]) < mean(summary[sc][n]["ema"][beyond])
                for n in R.NORMS)
+    # "and is far worse with exact targets, except for `pre`"
+    for regime in ("exact, constant", "exact, cosine"):
+        ema_bema = {n: (mean(summary[regime][n]["ema"][beyond]),
+                        mean(summary[regime][n]["bema"][beyond])) for n in R.NORMS}
+        assert all(b > 3 * e for n, (e, b) in ema_bema.items() if n != "pre")
+        assert ema_bema["pre"][1] < ema_bema["pre"][0]
+    assert "and is far worse with exact targets, except for `pre`" in readme
     cross = {r: summary[r]["crossover"]["ema"] for r in summary}
     assert (cross["sampled, constant"], cross["sampled, cosine"], cross["exact, constant"],
             cross["exact, cosine"]) == (20, 22, 31, None)
