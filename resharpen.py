@@ -278,7 +278,8 @@ def train(cfg, log=print, average_with=None, task=None):
         opt.step()
         for avg in averagers:
             avg.update(model)
-        t5 = time.time() if step == 5 else t5
+        if step == 5:
+            t5 = time.time()
         if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):   # at 10, then 8 times
             rate = (step - 5) / max(time.time() - t5, 1e-9) if t5 else 0.0
             recent = losses[-every:]
@@ -943,10 +944,11 @@ def compare_summary(rows, L, v, norms, regimes):
 def compare_table(summary, L, v, norms, wall, n_runs, workers, laws=None):
     """Markdown: the headline (placements x regimes, EMA weights), then every regime in full."""
     mean = lambda xs: sum(xs) / len(xs)
-    at = [f"s = {r * L} ({r} L)" for r in (2, 4) if r * L <= v - 1]   # 2 L, and 4 L if tested
+    tested = [r for r in (2, 4) if r * L <= v - 1]   # 2 L, and 4 L where it is a test length
+    at = [f"s = {r * L} ({r} L)" for r in tested]      # their names in columns()
     regimes = list(summary)
     out = ["### Headline: TVD on the training lengths / at " + " / at ".join(
-               f"{r} L = {r * L}" for r in (2, 4) if r * L <= v - 1) +
+               f"{r} L = {r * L}" for r in tested) +
            f" (EMA {COMPARE_EMA}, mean of {COMPARE_SEEDS} seeds)", "",
            "| placement | " + " | ".join(regimes) + " |",
            "|---" * (len(regimes) + 1) + "|"]
@@ -1654,8 +1656,8 @@ SEED_LIMIT = 2**32 - COMPARE_SEEDS   # seeds are 0 .. this; the grids use seed .
 
 
 def eval_len(cfg):
-    """Positions evaluate() runs: v - 1 for Set Complement, 4 x train_len for a language."""
-    return (cfg.vocab - 1 if cfg.task == "complement" else 4 * cfg.train_len) + cfg.bos
+    """Positions evaluate() runs, as the task's own evaluation inputs say (BOS included)."""
+    return make_task(cfg).eval_inputs(1).shape[1] + cfg.bos
 
 
 def parameter_count(cfg):

@@ -2265,7 +2265,7 @@ def test_broken_output_streams_and_signals_end_in_one_line(tmp_path):
             preexec_fn=lambda: os.close(1))
     assert r.returncode == 0 and r.stderr == b"" and (tmp_path / "a" / "metrics.json").exists()
     # stdout full: one line, exit 1.
-    with open("/dev/full", "w") as full:
+    with open("/dev/full", "w", encoding="utf-8") as full:
         r = run(["--out", str(tmp_path / "b")], stdout=full)
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
     # No file may grow (ulimit -f 0): one line, exit 1, no file left behind.
