@@ -328,8 +328,11 @@ def evaluate(model, n_perm=EVAL_PERMS, task=None):
                - (logits * seen).sum(-1) / seen.sum(-1))
         # Attention entropy, mean over heads and layers; uniform attention gives the most.
         att = torch.stack(atts).cpu().double()                 # (L, n, nh, T, T)
-        ent = -(att * att.clamp_min(1e-300).log()).sum(-1).mean(dim=(0, 2))   # (n, T)
-        batch = dict(tvd=tvd, invalid_mass=invalid, kl=kl, logit_gap=gap, attn_entropy=ent)
+        h = -(att * att.clamp_min(1e-300).log()).sum(-1)       # (L, n, nh, T)
+        batch = dict(tvd=tvd, invalid_mass=invalid, kl=kl, logit_gap=gap,
+                     attn_entropy=h.mean(dim=(0, 2)))          # (n, T)
+        if len(atts) > 1:   # a deeper model: each layer's entropy too
+            batch.update({f"attn_entropy_layer{i + 1}": h[i].mean(1) for i in range(len(h))})
         total = {key: total.get(key, 0) + m.sum(0) for key, m in batch.items()}   # row sums
     model.train(was_training)
     lengths = list(range(1, T + 1))
@@ -790,13 +793,29 @@ REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant")
            ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
 
 
-def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES):
-    """Every run of the comparison: each placement in each regime, COMPARE_SEEDS seeds. Each
-    run trains once and is evaluated with its raw, EMA and BEMA weights: the averages never
-    feed back into training, so 'EMA off' is exactly the raw weights of the same run."""
-    seeds = [base.seed + i for i in range(COMPARE_SEEDS)]
-    return [replace(base, norm=n, targets=t, lr_schedule=sch, ema=0.0, bema=False, seed=s)
-            for t, sch in regimes for n in norms for s in seeds]
+def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
+    """Every run of the comparison: each placement in each regime (at each rate), COMPARE_SEEDS
+    seeds. Each run trains once and is evaluated with its raw, EMA and BEMA weights: the
+    averages never feed back into training, so 'EMA off' is exactly the raw weights."""
+    seeds = [base.seed + i for i in range(COMPARE_SEEDS)] if seeds is None else seeds
+    return [replace(base, norm=n, targets=t, lr_schedule=sch, lr=lr or base.lr, ema=0.0,
+                    bema=False, seed=s)
+            for t, sch in regimes for n in norms for lr in lrs for s in seeds]
+
+
+def tune_rates(base, norms, regimes, lrs, device):
+    """Each placement in each regime trains at every rate on the first seed; the rate with
+    the lowest training-length TVD (EMA weights) is chosen, and the other seeds train at it.
+    Returns (every run, wall, workers, {(norm, targets, schedule): chosen rate})."""
+    first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device)
+    key = lambda c: (c.norm, c.targets, c.lr_schedule)
+    chosen = {}
+    for c, r, _ in sorted(first, key=lambda d: summarize(d[1]["ema"], base.train_len)["tvd_train"]):
+        chosen.setdefault(key(c), c.lr)
+    rest = [replace(c, seed=base.seed + i) for c, _, _ in first if c.lr == chosen[key(c)]
+            for i in range(1, COMPARE_SEEDS)]
+    more, wall2, _ = run_grid(rest, device)
+    return first + more, wall + wall2, workers, chosen
 
 
 def compare_one(cfg, averages=("ema", "bema"), threads=None):
@@ -998,6 +1017,41 @@ def laws_table(rows, v):
     return "\n".join(out)
 
 
+def rates_table(done, chosen, summary, L):
+    """The rate sweep on the first seed: training-length TVD and TVD at 2 L, EMA weights."""
+    out = ["### Learning rates (first seed, EMA weights; the chosen rate has the lowest TVD on "
+           "the training lengths; the other seeds ran at it)", "",
+           "| regime | placement | lr | TVD, training lengths | TVD at 2 L | chosen |",
+           "|---" * 6 + "|"]
+    seed = min(c.seed for c, _, _ in done)
+    for c, r, _ in done:
+        if c.seed == seed:
+            m = r["ema"]
+            out.append(f"| {c.targets}, {c.lr_schedule} | `{c.norm}` | {c.lr:g} | "
+                       f"{summarize(m, L)['tvd_train']:.4f} | {m['tvd'][2 * L - 1]:.4f} | "
+                       f"{'yes' if chosen[(c.norm, c.targets, c.lr_schedule)] == c.lr else ''} |")
+    return "\n".join(out)
+
+
+def layer_entropy_table(rows, cfg, norms, regimes):
+    """Dispersion per layer: attention entropy minus log(positions), EMA weights, mean over
+    seeds (0: uniform attention over the prefix)."""
+    L, v = cfg.train_len, cfg.vocab
+    at = sorted({L, 2 * L, v - 1} & set(range(1, v)))
+    out = ["### Attention entropy minus log(positions), per layer (EMA weights, mean of seeds; "
+           "0 = uniform)", "", "| regime | placement | layer | " +
+           " | ".join(f"s = {s}" for s in at) + " |", "|---" * (3 + len(at)) + "|"]
+    for t, sch in regimes:
+        for norm in norms:
+            runs = rows[(norm, t, sch, "ema")]
+            for i in range(1, cfg.n_layer + 1):
+                cells = [sum(m[f"attn_entropy_layer{i}"][s - 1] - m["log_positions"][s - 1]
+                             for m in runs) / len(runs) for s in at]
+                out.append(f"| {t}, {sch} | `{norm}` | {i} | " +
+                           " | ".join(f"{x:.3f}" for x in cells) + " |")
+    return "\n".join(out)
+
+
 def _band(ax, xs, curves, label, color, lw=2, zorder=2, ls="-"):
     mean = [sum(c) / len(c) for c in zip(*curves)]
     ax.fill_between(xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
@@ -1081,7 +1135,8 @@ def plot_regimes(rows, cfg, norms, regimes):
     placement (EMA weights; mean and min-max band over seeds), log scale: 0.003 and 0.3 both
     show."""
     fig, axes = new_figure(len(regimes))
-    fig.set_size_inches(3.6 * len(regimes), 3.9)
+    axes = axes if len(regimes) > 1 else [axes]
+    fig.set_size_inches(max(3.6 * len(regimes), 5.2), 3.9)
     s, L = list(range(1, cfg.vocab)), cfg.train_len
     for ax, (t, sch) in zip(axes, regimes):
         ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths")
@@ -1105,25 +1160,46 @@ LONG_NORMS = ("pre", "pre-final", "post")
 LONG_REGIMES = (("sampled", "constant"), ("exact", "cosine"))   # the noisiest, the quietest
 
 
-def compare(base, out, long=False):
+def compare(base, out, long=False, norms=None, regimes=None, lrs=None, command=""):
     """python resharpen.py --compare: every placement in every regime, 3 seeds; writes
     compare.md, compare.json and 4 figures. With long=True (--long): LONG_MODEL's larger
-    vocabulary, three placements, two regimes; writes long.md, long.json, long.png."""
-    norms, regimes, name = tuple(NORMS), REGIMES, "compare"
+    vocabulary, three placements, two regimes; writes long.md, long.json, long.png.
+    norms, regimes: a subset (then only the regimes figure); lrs: rates to tune over."""
+    full = norms is None and regimes is None
+    norms, regimes, name = norms or tuple(NORMS), regimes or REGIMES, "compare"
     if long:
-        base, norms, regimes, name = replace(base, **LONG_MODEL), LONG_NORMS, LONG_REGIMES, "long"
-    done, wall, workers = run_grid(compare_grid(base, norms, regimes), pick_device(base.device))
-    rows, L, v = compare_rows(done), base.train_len, base.vocab
+        base, name = replace(base, **LONG_MODEL), "long"
+        norms, regimes = (LONG_NORMS, LONG_REGIMES) if full else (norms, regimes)
+    device, chosen = pick_device(base.device), None
+    if lrs and len(lrs) > 1:
+        done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device)
+    else:
+        base = replace(base, lr=lrs[0]) if lrs else base
+        done, wall, workers = run_grid(compare_grid(base, norms, regimes), device)
+    kept = [d for d in done if not chosen or d[0].lr == chosen[
+        (d[0].norm, d[0].targets, d[0].lr_schedule)]]
+    rows, L, v = compare_rows(kept), base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
+    extra = [laws_table(rows, v)] if full and not long else []
+    if chosen:
+        extra.append(rates_table(done, chosen, summary, L))
+    if base.n_layer > 1:
+        extra.append(layer_entropy_table(rows, base, norms, regimes))
     table = compare_table(summary, L, v, norms, wall, len(done), workers,
-                          None if long else laws_table(rows, v))
+                          "\n\n".join(extra) or None)
     print("\n" + table)
-    md = (f"Written by `python resharpen.py --{name}` (v={v}, train lengths 1..{L}, width "
+    md = (f"Written by `{command or 'python resharpen.py --' + name}` (v={v}, train lengths "
+          f"1..{L}, width {base.n_embd}, {base.n_layer} layer(s){', MLP' if base.mlp else ''}, "
+          f"{base.steps} steps, batch {base.batch_size}, lr "
+          f"{'tuned' if chosen else base.lr}).\n\n{table}\n") if (chosen or base.n_layer > 1
+          or not full) else (
+          f"Written by `python resharpen.py --{name}` (v={v}, train lengths 1..{L}, width "
           f"{base.n_embd}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}).\n\n"
           f"{table}\n")
-    if long:
-        files = {"long.md": md.encode("utf-8"),
-                 "long.png": figure_bytes(plot_regimes(rows, base, norms, regimes))}
+    if long or not full:
+        files = {f"{name}.md": md.encode("utf-8"),
+                 ("long.png" if long else "compare_regimes.png"):
+                     figure_bytes(plot_regimes(rows, base, norms, regimes))}
     else:
         files = {"compare.md": md.encode("utf-8"),
                  "compare_regimes.png": figure_bytes(plot_regimes(rows, base, norms, regimes)),
@@ -1132,6 +1208,8 @@ def compare(base, out, long=False):
                  "compare_noise.png": figure_bytes(plot_compare_noise(rows, base))}
     record = {"config": asdict(base), "wall_seconds": round(wall, 1), "summary": summary,
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    if chosen:
+        record["chosen_lr"] = {", ".join(k): lr for k, lr in chosen.items()}
     written = write_outputs(out, files, f"{name}.json", record)
     print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
@@ -1259,8 +1337,10 @@ SEARCH_ARMS = ("pre", "pre-final", "post")   # trained from the same seed: paire
 SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subgroups
 
 
-def search_configs(n, seed):
+def search_configs(n, seed, lrs=None):
     """n random configurations, each trained three times from the same seed, once per arm.
+    With lrs (the tuned search): arms pre-final and post, each at every rate of lrs, drawn in
+    the corner most favourable to post: batch 192..256, 4000..8000 steps.
     Ranges: vocabulary 16..64; longest training length v/4 .. (v-1)/2 (so that 2 L is a test
     length); 1..4 heads; width the smallest multiple of the heads >= 2v - 2 (theory.md,
     Appendix A); lr log-uniform 3e-4..1e-2; batch log-uniform 64..256; 1000..4000 steps;
@@ -1275,8 +1355,25 @@ def search_configs(n, seed):
                       lr=round(10 ** g.uniform(math.log10(3e-4), -2), 6),
                       batch_size=round(2 ** g.uniform(6, 8)), steps=g.randint(1000, 4000),
                       seed=seed + i)
-        configs.append([replace(base, norm=arm) for arm in SEARCH_ARMS])
+        if lrs:
+            base = replace(base, batch_size=g.randint(192, 256), steps=g.randint(4000, 8000))
+            configs.append([replace(base, norm=arm, lr=lr) for arm in ("pre-final", "post")
+                            for lr in lrs])
+        else:
+            configs.append([replace(base, norm=arm) for arm in SEARCH_ARMS])
     return configs
+
+
+def search_arms(runs, results):
+    """{arm: (config, result)}: with several rates per arm, the rate with the lowest
+    training-length TVD (EMA weights)."""
+    best = {}
+    for c in runs:
+        r = results[astuple(c)]
+        t = summarize(r["ema"], c.train_len)["tvd_train"]
+        if c.norm not in best or t < best[c.norm][0]:
+            best[c.norm] = (t, c, r)
+    return {arm: (c, r) for arm, (_, c, r) in best.items()}
 
 
 def wilson(k, n, z=1.96):
@@ -1329,7 +1426,7 @@ def search_pairs(configs, results, rival, avg):
     pair: the larger of the two), with the weights avg."""
     out = []
     for runs in configs:
-        m = {c.norm: results[astuple(c)][avg] for c in runs}
+        m = {arm: r[avg] for arm, (_, r) in search_arms(runs, results).items()}
         L = runs[0].train_len
         ratio = m[rival]["tvd"][2 * L - 1] / m["post"]["tvd"][2 * L - 1]
         train = max(summarize(m[k], L)["tvd_train"] for k in (rival, "post"))
@@ -1341,19 +1438,19 @@ def search_stats(pairs):
     """Win rate of post (log ratio > 0) with its interval, sign and Wilcoxon tests, median
     ratio with its bootstrap interval."""
     logs = [x for x, _ in pairs]
-    n, k = len(logs), sum(x > 0 for x in logs)
+    n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
     if n == 0:
         return {"n": 0}
     med, lo, hi = bootstrap_median(logs)
     return {"n": n, "post_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
-            "sign_p": sign_test(k, n), "wilcoxon_p": wilcoxon(logs),
+            "sign_p": sign_test(k, n - ties) if n > ties else 1.0, "wilcoxon_p": wilcoxon(logs),
             "median_ratio": math.exp(med), "median_ratio_95": (math.exp(lo), math.exp(hi))}
 
 
 def search_summary(configs, results):
     """The primary endpoint and every secondary one: {rival: {avg: {subgroup: stats}}}."""
     out = {}
-    for rival in ("pre-final", "pre"):
+    for rival in (a for a in ("pre-final", "pre") if a in {c.norm for c in configs[0]}):
         for avg in ("ema", "raw"):
             pairs = search_pairs(configs, results, rival, avg)
             out.setdefault(rival, {})[avg] = {"all": search_stats(pairs), **{
@@ -1371,7 +1468,7 @@ def search_losses(configs, results):
                 "batch": lambda c: c.batch_size, "steps": lambda c: c.steps}
     rows = []
     for name, get in settings.items():
-        xs = [get(runs[0]) for runs in configs]
+        xs = [get(search_arms(runs, results)["post"][0]) for runs in configs]
         cut = statistics.median(xs)
         low = [x > 0 for x, c in zip(logs, xs) if c <= cut]
         high = [x > 0 for x, c in zip(logs, xs) if c > cut]
@@ -1383,8 +1480,9 @@ def search_losses(configs, results):
 def plot_search(configs, results):
     """search.png: the paired ratio at 2 L against the pair's training TVD, per rival."""
     import matplotlib.ticker
-    fig, axes = new_figure(2)
-    for ax, rival in zip(axes, ("pre-final", "pre")):
+    rivals = [a for a in ("pre-final", "pre") if a in {c.norm for c in configs[0]}]
+    fig, axes = new_figure(len(rivals))
+    for ax, rival in zip(axes if len(rivals) > 1 else [axes], rivals):
         for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
                            ("raw", dict(color="0.5", mfc="none", label="raw weights"))):
             pairs = search_pairs(configs, results, rival, avg)
@@ -1404,9 +1502,10 @@ def plot_search(configs, results):
     return fig
 
 
-def search(base, out, n):
-    """python resharpen.py --search N: N random configurations, one run per arm each."""
-    configs = search_configs(n, base.seed)
+def search(base, out, n, lrs=None, command=""):
+    """python resharpen.py --search N: N random configurations, one run per arm each (with
+    lrs: one per arm and rate, each arm at its best rate)."""
+    configs = search_configs(n, base.seed, lrs)
     runs = [cfg for group in configs for cfg in group]
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
     results = {astuple(c): r for c, r, _ in done}
@@ -1419,23 +1518,27 @@ def search(base, out, n):
                       f"({st['median_ratio_95'][0]:.2f} - {st['median_ratio_95'][1]:.2f})")
     lines = ["| rival | weights | configurations | post wins (95 % interval) | sign test p | "
              "Wilcoxon p | median ratio rival / post (95 % bootstrap) |", "|---" * 7 + "|"]
-    for rival in ("pre-final", "pre"):
+    for rival in h:
         for avg in ("ema", "raw"):
             for group, st in h[rival][avg].items():
                 if st["n"]:
                     lines.append(f"| `{rival}` | {AVERAGE_LABELS[avg]} | {group} | {fmt(st)} |")
     tvd = lambda c, avg, s: results[astuple(c)][avg]["tvd"][s - 1]
     train = lambda c, avg: summarize(results[astuple(c)][avg], c.train_len)["tvd_train"]
+    arms = list(search_arms(configs[0], results))
     rows = ["| # | v | L | heads | width | lr | batch | steps | " +
-            " | ".join(f"{a}: train, 2 L" for a in SEARCH_ARMS) + " | post beats pre-final |",
-            "|---" * (9 + len(SEARCH_ARMS)) + "|"]
+            " | ".join(f"{a}: train, 2 L" for a in arms) + " | post beats pre-final |",
+            "|---" * (9 + len(arms)) + "|"]
     for i, runs in enumerate(configs):
-        c, L = runs[0], runs[0].train_len
-        cells = " | ".join(f"{train(r, 'ema'):.3f}, {tvd(r, 'ema', 2 * L):.3f}" for r in runs)
-        win = tvd(runs[1], "ema", 2 * L) > tvd(runs[2], "ema", 2 * L)
-        rows.append(f"| {i} | {c.vocab} | {L} | {c.n_head} | {c.n_embd} | {c.lr:.2g} | "
+        best = search_arms(runs, results)
+        c, L = best["post"][0], runs[0].train_len
+        cells = " | ".join(f"{train(r, 'ema'):.3f}, {tvd(r, 'ema', 2 * L):.3f}" +
+                           (f" (lr {r.lr:g})" if lrs else "") for r, _ in best.values())
+        win = tvd(best["pre-final"][0], "ema", 2 * L) > tvd(c, "ema", 2 * L)
+        rows.append(f"| {i} | {c.vocab} | {L} | {c.n_head} | {c.n_embd} | "
+                    f"{'tuned' if lrs else format(c.lr, '.2g')} | "
                     f"{c.batch_size} | {c.steps} | {cells} | {'yes' if win else 'no'} |")
-    text = (f"Written by `python resharpen.py --search {n}` (seed {base.seed}; ranges in "
+    text = (f"Written by `{command or 'python resharpen.py --search ' + str(n)}` (seed {base.seed}; ranges in "
             "`search_configs`; protocol in theory.md, Appendix F).\n\n"
             f"Primary endpoint (EMA {COMPARE_EMA} weights, all {n} configurations): the TVD at "
             f"twice the longest training length was lower with `post` than with `pre-final` in "
@@ -1469,12 +1572,44 @@ SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=T
                    targets="sampled")
 
 
+SUITE_NORMS = ("pre", "pre-final", "post")
+SUITE_SEEDS = 5
+T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
+       10: 2.262}   # Student's t, two-sided 95 %, by the number of paired values (n - 1 df)
+
+
 def suite_grid(base, **overrides):
-    """Every language x {pre, post} x 3 seeds, with SUITE_MODEL's settings."""
-    seeds = [base.seed + i for i in range(COMPARE_SEEDS)]
+    """Every language x SUITE_NORMS x SUITE_SEEDS seeds, with SUITE_MODEL's settings."""
+    seeds = [base.seed + i for i in range(SUITE_SEEDS)]
     settings = {**SUITE_MODEL, **overrides, "ema": 0.0, "bema": False}
     return [language_config(base, **settings, **lang, norm=norm, seed=s)
-            for lang in SUITE_LANGUAGES for norm in ("pre", "post") for s in seeds]
+            for lang in SUITE_LANGUAGES for norm in SUITE_NORMS for s in seeds]
+
+
+def mean_interval(xs):
+    """Mean of paired differences and its 95 % t interval (the seeds are the pairs)."""
+    n, mean = len(xs), sum(xs) / len(xs)
+    half = T95[n] * math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
+    return mean, mean - half, mean + half
+
+
+def suite_pairs(done, L):
+    """Per language, rival - post in mean extrapolation TVD (EMA weights), paired by seed."""
+    out = ["| language | difference (EMA weights, extrapolation TVD) | per seed | mean (95 % t "
+           "interval) | distinguishable from seed noise |", "|---" * 5 + "|"]
+    for lang in SUITE_LANGUAGES:
+        ext = {c.norm: {} for c, _, _ in done}
+        for c, r, _ in done:
+            if c.task == lang["task"]:
+                ext[c.norm][c.seed] = summarize(r["ema"], L)["tvd_extrap"]
+        name = make_task(language_config(**lang)).name
+        for rival in (n for n in SUITE_NORMS if n != "post"):
+            d = [ext[rival][k] - ext["post"][k] for k in sorted(ext["post"])]
+            mean, lo, hi = mean_interval(d)
+            out.append(f"| {name} | `{rival}` - `post` | " + ", ".join(f"{x:+.3f}" for x in d)
+                       + f" | {mean:+.4f} ({lo:+.4f} to {hi:+.4f}) | "
+                       + ("no" if lo <= 0 <= hi else "yes") + " |")
+    return out
 
 
 def suite_table(done, wall, workers):
@@ -1482,7 +1617,7 @@ def suite_table(done, wall, workers):
             "| TVD at the longest length | invalid mass, extrapolation |")
     out, L = [head, "|---" * 7 + "|"], done[0][0].train_len
     for lang in SUITE_LANGUAGES:
-        for norm in ("pre", "post"):
+        for norm in SUITE_NORMS:
             runs = [(c, r) for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
             name = make_task(runs[0][0]).name
             for avg in ("raw", "ema"):
@@ -1493,8 +1628,10 @@ def suite_table(done, wall, workers):
                            f"{mean_sd([s['tvd_train'] for s in sums])} | "
                            f"{mean_sd([s['tvd_extrap'] for s in sums])} | "
                            f"{mean_sd([s['tvd_last'] for s in sums])} | {mean_sd(inv)} |")
-    out += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
-            f"runs, {wall:.0f} s wall in {workers} worker process(es)."]
+    out += ["", f"Mean +- standard deviation over {SUITE_SEEDS} seeds.", "",
+            "### Paired by seed: each placement minus `post` (positive: `post` is lower)", ""]
+    out += suite_pairs(done, L)
+    out += ["", f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."]
     return "\n".join(out)
 
 
@@ -1504,7 +1641,7 @@ def plot_suite(done):
     for ax, lang in zip(axes, SUITE_LANGUAGES):
         cfg = next(c for c, _, _ in done if c.task == lang["task"])
         ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-        for norm in ("pre", "post"):
+        for norm in SUITE_NORMS:
             runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
             xs = runs[0]["raw"]["length"]
             ax.plot(xs, [sum(c) / len(c) for c in zip(*[r["raw"]["tvd"] for r in runs])],
@@ -1755,6 +1892,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     pass
 
 
+def rates(text):
+    xs = [float(x) for x in text.split(",")]
+    if not all(0 < x < 1 for x in xs):
+        raise ValueError(text)
+    return xs
+
+
+def norm_list(text):
+    xs = tuple(text.split(","))
+    if not set(xs) <= set(NORMS) or len(set(xs)) < len(xs):
+        raise argparse.ArgumentTypeError(f"each of {', '.join(NORMS)} at most once, got {text}")
+    return xs
+
+
+def regime_list(text):
+    xs = tuple(tuple(x.split("/")) for x in text.split(","))
+    if not set(xs) <= set(REGIMES) or len(set(xs)) < len(xs):
+        raise argparse.ArgumentTypeError(
+            f"each of {', '.join('/'.join(r) for r in REGIMES)} at most once, got {text}")
+    return xs
+
+
 def build_parser():
     d = Config()
     p = Parser(prog="resharpen.py", formatter_class=HelpFormatter, allow_abbrev=False,
@@ -1811,6 +1970,13 @@ def build_parser():
     a("--out", default="runs", help="folder for the figures and the JSON record (the README's "
       "figures are regenerated with --out plots)")
     a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
+    a("--lrs", type=rates, metavar="LR,LR,...",
+      help="--compare, --long, --search: train each placement at every rate; each keeps the "
+           "rate with the lowest training-length TVD (EMA weights) on the first seed")
+    a("--norms", type=norm_list, metavar="NORM,...",
+      help="--compare, --long: only these placements")
+    a("--regimes", type=regime_list, metavar="TARGETS/SCHEDULE,...",
+      help="--compare, --long: only these regimes, such as sampled/constant,exact/cosine")
     mode = p.add_mutually_exclusive_group()   # instead of one training run:
     a = mode.add_argument
     a("--theory", action="store_true",
@@ -1865,9 +2031,13 @@ def check_args(args, parser, given, argv=()):
     fixed = {"norm", "targets", "lr_schedule", "ema", "bema", "dropout", "attn_scale", "bos"}
     if args.alternatives and given & fixed:
         bad(f"{flags(given & fixed)}: --alternatives sets it itself")
-    if args.search is not None and given - {"search", "seed", "device", "out"}:
-        bad(f"{flags(given - {'search', 'seed', 'device', 'out'})}: --search draws every "
-            "setting itself (it accepts --seed, --device and --out)")
+    if args.search is not None and given - {"search", "seed", "device", "out", "lrs"}:
+        bad(f"{flags(given - {'search', 'seed', 'device', 'out', 'lrs'})}: --search draws every "
+            "setting itself (it accepts --seed, --device, --out and --lrs)")
+    if not (args.compare or args.long) and given & {"norms", "regimes"}:
+        bad(f"{flags(given & {'norms', 'regimes'})}: only for --compare and --long")
+    if not (args.compare or args.long or args.search) and "lrs" in given:
+        bad("--lrs: only for --compare, --long and --search")
     if args.search is not None and not 1 <= args.search <= 100:
         bad(f"--search must be a number of configurations in 1 .. 100, got {args.search}")
     if args.handout and given - {"handout", "out"}:
@@ -2024,6 +2194,14 @@ def run_main(argv):
     args = parser.parse_args(argv)
     given = given_flags(parser, argv)
     check_args(args, parser, given, argv)
+    shown, skip = [], False   # the command, for the tables: every flag but --out and --device
+    for tok in argv:
+        if skip or tok.split("=")[0] in ("--out", "--device"):
+            skip = not skip and "=" not in tok
+            continue
+        shown.append(tok)
+    command = " ".join(["python resharpen.py"] + shown) if given & {"lrs", "norms", "regimes"} or (
+        given & {"n_layer", "mlp"}) else ""
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
     cfg = language_config(cfg) if cfg.task != "complement" else cfg
     oom = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
@@ -2037,13 +2215,14 @@ def run_main(argv):
         elif args.theory:
             theory(cfg.vocab, cfg.train_len, args.out)
         elif args.compare or args.long:
-            compare(cfg, args.out, long=args.long)
+            compare(cfg, args.out, long=args.long, norms=args.norms, regimes=args.regimes,
+                    lrs=args.lrs, command=command)
         elif args.suite:
             suite(cfg, args.out, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
         elif args.alternatives:
             alternatives(cfg, args.out)
         elif args.search is not None:
-            search(cfg, args.out, args.search)
+            search(cfg, args.out, args.search, args.lrs, command)
         else:
             run_one(cfg, args.out, args.save)
     except FloatingPointError as e:

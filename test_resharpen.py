@@ -1641,7 +1641,7 @@ def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
         assert 1000 <= pre.steps <= 4000 and pre.ema == 0 and pre.targets == "sampled"
         assert (pre.norm, pre_final, post) == ("pre", replace(pre, norm="pre-final"),
                                                replace(pre, norm="post"))
-    monkeypatch.setattr(R, "search_configs", lambda n, seed: [
+    monkeypatch.setattr(R, "search_configs", lambda n, seed, lrs=None: [
         [replace(c, vocab=8, train_len=3, n_embd=12, steps=3, batch_size=4) for c in g]
         for g in drawn[:n]])
     R.search(base, str(tmp_path), 3)
