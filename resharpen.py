@@ -1,27 +1,34 @@
 """resharpen.py: "Post-Norm can Resharpen Attention" (Zsamboki et al., arXiv 2510.08341).
+
 Predict the uniform distribution over the vocabulary tokens NOT in the input. A transformer
 with no positions runs at any length, but its attention spreads as the input grows and its
-prediction blurs; a LayerNorm on the attention output resharpens it. Part 1 (to line 400) is
-the idea, top to bottom: config -> task -> model -> EMA -> training -> evaluation -> figure ->
-theory.md's construction by hand. Part 2 reproduces the experiments (skip it at first); it
-plugs in through a task object, an attention class (ATTENTIONS) and weight averagers.
+prediction blurs; a LayerNorm that sees the attention average resharpens it.
+
+Part 1, the paper, top to bottom: config -> task -> model -> EMA -> training -> evaluation ->
+theory.md's laws and construction by hand. Part 2 reproduces the experiments; it plugs in
+through a task object, the ATTENTIONS table and train()'s `averagers`.
     python resharpen.py --post-norm --ema 0.999   # the remedy, about 30 s on a laptop CPU
     python resharpen.py --help                    # every command and flag
 """
 
+import argparse
 import copy
+import functools
+import json
 import math
 import os
+import random
+import re
+import shlex
+import signal
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass, replace
+from pathlib import Path
 
-if __name__ == "__main__":   # run as a command; before torch loads (README, "Threads"):
-    import signal   # a signal while the libraries load: one line, no traceback
-    for _sig in {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGINT)}:
-        signal.signal(_sig, lambda n, f: (sys.stderr.write(
-            "resharpen.py: interrupted while starting; nothing was written\n"), os._exit(128 + n)))
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")   # idle threads soon sleep: runs share cores
+if __name__ == "__main__":   # before torch loads: idle threads soon sleep (README, "Threads")
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import torch
 import torch.nn as nn
@@ -32,7 +39,6 @@ import torch.nn.functional as F
 
 @dataclass
 class Config:
-    task: str = "complement"  # or a formal language of Part 2: 'dyck', 'shuffle'
     vocab: int = 32           # v: tokens are 0 .. v-1
     train_len: int = 12       # train on prefixes of length s = 1 .. train_len
     targets: str = "sampled"  # 'sampled': one next token per position; 'exact': the target
@@ -41,8 +47,6 @@ class Config:
     n_head: int = 1
     n_embd: int = 64
     mlp: bool = False         # attention only by default, like the paper's minimal model
-    bos: bool = False         # prepend a beginning-of-sequence token (a possible sink)
-    dropout: float = 0.0      # on the attention weights and on each block's outputs
     steps: int = 4000
     batch_size: int = 256
     lr: float = 3e-3          # constant by default: the regime where gradient noise shows
@@ -50,10 +54,13 @@ class Config:
     ema: float = 0.0          # decay of the weight EMA; 0 = off
     seed: int = 0
     device: str = "auto"
-    bema: bool = False        # Part 2: average with BEMA instead of the EMA
-    brackets: int = 2         # Part 2: k, for the formal languages
-    max_depth: int = 4        # Part 2: D, for Dyck-(k, D)
+    task: str = "complement"  # or a formal language: 'dyck', 'shuffle'
+    brackets: int = 2         # k, for the formal languages
+    max_depth: int = 4        # D, for Dyck-(k, D)
+    bos: bool = False         # prepend a beginning-of-sequence token (a possible sink)
+    dropout: float = 0.0      # on the attention weights and on each block's outputs
     attn_scale: str = "none"  # a key of ATTENTIONS; Part 2 adds 'logn' (log-length scaling)
+    bema: bool = False        # average with BEMA instead of the EMA
 
 
 NORMS = {
@@ -129,10 +136,7 @@ ATTENTIONS = {"none": CausalSelfAttention}   # Part 2 adds 'logn'
 
 
 class Block(nn.Module):
-    """One transformer block. cfg.norm says where its LayerNorms sit (theory.md, section 4):
-        pre, pre-final   x = x + Attn(LN(x));   x = x + MLP(LN(x))
-        post             x = x + LN(Attn(x));   x = x + LN(MLP(x))
-        post-residual    x = LN(x + Attn(x));   x = LN(x + MLP(x))
+    """One transformer block; cfg.norm says where its LayerNorms sit (theory.md, section 4).
     Dropout (cfg.dropout) acts on the attention weights and on Attn's and MLP's outputs."""
 
     def __init__(self, cfg):
@@ -154,12 +158,13 @@ class Block(nn.Module):
             if self.mlp:
                 x = x + self.drop(self.mlp(self.ln_2(x)))
         elif self.norm == "post":
-            # The norm rescales the attention average back to unit size however many
-            # tokens it averaged: this is what resharpens (theory.md, section 4).
             a, att = self.attn(x)
+            # Exercise 2: the norm rescales the attention average back to unit size however
+            # many tokens it averaged: this is what resharpens (theory.md, section 4).
             x = x + self.ln_1(self.drop(a))
             if self.mlp:
                 x = x + self.ln_2(self.drop(self.mlp(x)))
+            # end of Exercise 2
         else:  # post-residual
             a, att = self.attn(x)
             x = self.ln_1(x + self.drop(a))
@@ -194,7 +199,8 @@ class Transformer(nn.Module):
             atts.append(att)
         logits = self.lm_head(self.ln_f(x))
         if self.cfg.bos:
-            logits, atts = logits[:, 1:], [a[:, :, 1:] for a in atts]
+            logits = logits[:, 1:]
+            atts = [a[:, :, 1:] for a in atts]
         return (logits, atts) if return_attn else logits
 
 
@@ -203,10 +209,12 @@ class EMA:
     """A shadow copy of the parameters, averaged after every optimizer step (decay omega):
         avg_t = (1 - beta_t) avg_{t-1} + beta_t theta_t,   beta_t = (1 - omega) / (1 - omega^t)
     This is Adam's bias correction as a weight: avg_t averages theta_1 .. theta_t with weights
-    proportional to omega^(t - k), so the initialization never enters it (theory.md, 5)."""
+    proportional to omega^(t - k), so the initialization never enters it (theory.md, 5).
+    Part 2's BEMA changes beta() and averaged(), and keeps update()."""
 
     def __init__(self, model, decay):
-        self.decay, self.t = decay, 0
+        self.decay = decay
+        self.t = 0
         self.shadow = [p.detach().clone() for p in model.parameters()]
 
     def beta(self, t):
@@ -214,10 +222,12 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model):
+        # Exercise 1: count the step, then move each shadow tensor by beta_t towards theta_t.
         self.t += 1
         beta = self.beta(self.t)
         for avg, p in zip(self.shadow, model.parameters()):
             avg.lerp_(p, beta)  # avg + beta_t * (p - avg)
+        # end of Exercise 1
 
     def averaged(self):   # the weights to evaluate
         return self.shadow
@@ -236,8 +246,9 @@ def averaged_copy(model, averager):
 def pick_device(name):   # 'auto': a CUDA GPU, else Apple's MPS, else the CPU
     if name != "auto":
         return name
-    mps = torch.backends.mps.is_available()
-    return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def learning_rate(cfg, step):
@@ -247,19 +258,22 @@ def learning_rate(cfg, step):
     return cfg.lr
 
 
-def train(cfg, log=print, average_with=None, task=None):
-    """Train on the task (default Set Complement). Returns (model, averagers, losses): the
-    last weights, and one averager per function model -> averager in `average_with`
-    (default: cfg.ema's EMA, if cfg.ema > 0)."""
-    task, device = task or SetComplement(cfg), pick_device(cfg.device)
+def train(cfg, task=None, log=print, averagers=None):
+    """Train on the task (default Set Complement). Returns the last weights, the weight
+    averages updated after every step (the EMA of cfg.ema, if cfg.ema > 0, or what
+    averagers(model) returns: Part 2's BEMA and grids), and the loss of every step."""
+    task = task or SetComplement(cfg)
+    device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)                      # the initialization
     gen = torch.Generator().manual_seed(cfg.seed)    # the training data, on the CPU
     model = Transformer(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    default = [lambda m: EMA(m, cfg.ema)] if cfg.ema > 0 else []
-    averagers = [make(model) for make in (default if average_with is None else average_with)]
-    losses, floor = [], task.loss_floor()
-    every, t5 = max(1, cfg.steps // 8), None   # t5: the clock after the first, slower steps
+    if averagers:
+        averages = averagers(model)
+    else:
+        averages = [EMA(model, cfg.ema)] if cfg.ema > 0 else []
+    losses, floor, t0 = [], task.loss_floor(), time.time()
+    every = max(1, cfg.steps // 8)   # log at step 10, then 8 times
     for step in range(1, cfg.steps + 1):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
@@ -276,56 +290,52 @@ def train(cfg, log=print, average_with=None, task=None):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        for avg in averagers:
+        for avg in averages:
             avg.update(model)
-        if step == 5:
-            t5 = time.time()
-        if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):   # at 10, then 8 times
-            rate = (step - 5) / max(time.time() - t5, 1e-9) if t5 else 0.0
+        if step % every == 0 or step in (min(10, cfg.steps), cfg.steps):
+            rate = step / max(time.time() - t0, 1e-9)
             recent = losses[-every:]
             log(f"step {step:5d}/{cfg.steps} | loss {sum(recent) / len(recent):.4f} (floor "
-                f"{floor:.4f}) | {rate:.0f} steps/s | ETA "
-                + (f"{(cfg.steps - step) / rate:.0f}s" if rate else "-"))
-    weights = list(model.parameters()) + [w for a in averagers for w in a.averaged()]
+                f"{floor:.4f}) | {rate:.0f} steps/s | ETA {(cfg.steps - step) / rate:.0f}s")
+    weights = list(model.parameters()) + [w for a in averages for w in a.averaged()]
     if not all(torch.isfinite(w).all() for w in weights):
         raise FloatingPointError(f"the weights became NaN or infinite by step {cfg.steps}")
-    return model, averagers, losses
+    return model, averages, losses
 
 
 # ------------------------------------------- evaluation at every length (theory.md, sections 2-4)
-def numbers_per_input(cfg, T):
-    """About how many numbers one input of T tokens holds in evaluate(): per position, its
-    logits (v), a layer's activations (4 n_embd), every layer's attention (n_head (T + 1))."""
-    return T * (cfg.vocab + 4 * cfg.n_embd + (T + 1) * cfg.n_head * cfg.n_layer)
-
-
 @torch.no_grad()
-def evaluate(model, n_perm=EVAL_PERMS, task=None):
-    """Metrics at every prefix length s = 1 .. v-1 of the task (default Set Complement),
-    averaged over n_perm fixed inputs: one pass over a whole permutation gives every length;
-    chunks of inputs bound the memory."""
-    cfg, was_training, device = model.cfg, model.training, next(model.parameters()).device
+def evaluate(model, n_perm=None, task=None):
+    """Metrics at every prefix length s = 1 .. v-1 of the task (default: Set Complement),
+    averaged over n_perm fixed inputs: one pass over a whole permutation gives every length."""
+    cfg, was_training = model.cfg, model.training
     task = task or SetComplement(cfg)
+    n_perm = n_perm or EVAL_PERMS
+    device = next(model.parameters()).device
     model.eval()
     idx = task.eval_inputs(n_perm)                             # (N, T), on the CPU
     N, T = idx.shape
+    # Inputs go through in chunks of about EVAL_CHUNK numbers: per position, its logits,
+    # a layer's activations and every layer's attention weights.
+    per_input = T * (cfg.vocab + 4 * cfg.n_embd + (T + 1) * cfg.n_head * cfg.n_layer)
     total = {}
-    for chunk in idx.split(max(1, EVAL_CHUNK // numbers_per_input(cfg, T))):
+    for chunk in idx.split(max(1, EVAL_CHUNK // per_input)):
         logits, atts = model(chunk.to(device), return_attn=True)   # (n, T, v)
         logits = logits.cpu().double()   # float64 on the CPU (MPS has none): TVDs of 1e-30
         p = task.target(chunk, torch.double)                   # (n, T, v)
         seen = p == 0          # the seen tokens; for a language, every illegal next token
         logq = F.log_softmax(logits, dim=-1)
         q = logq.exp()
-        # TVD to the exact target as the total excess of q over p* (half the L1 distance,
-        # and exact even when as small as 1e-30); the mass on seen (invalid) tokens.
+        # Exercise 3: TVD to the exact target as the total excess of q over p* (half the L1
+        # distance, and exact even when as small as 1e-30); the mass on seen (invalid) tokens.
         tvd = (q - p).clamp_min(0).sum(-1)
         invalid = (q * seen).sum(-1)
-        # KL(p* || q): sums only over the unseen tokens, where p* > 0.
-        kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
         # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 1).
         gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)
                - (logits * seen).sum(-1) / seen.sum(-1))
+        # end of Exercise 3
+        # KL(p* || q): sums only over the unseen tokens, where p* > 0.
+        kl = torch.where(seen, 0.0, p * (p.clamp_min(1e-30).log() - logq)).sum(-1)
         # Attention entropy, mean over heads and layers; uniform attention gives the most.
         att = torch.stack(atts).cpu().double()                 # (L, n, nh, T, T)
         h = -(att * att.clamp_min(1e-300).log()).sum(-1)       # (L, n, nh, T)
@@ -333,46 +343,20 @@ def evaluate(model, n_perm=EVAL_PERMS, task=None):
                      attn_entropy=h.mean(dim=(0, 2)))          # (n, T)
         if len(atts) > 1:   # a deeper model: each layer's entropy too
             batch.update({f"attn_entropy_layer{i + 1}": h[i].mean(1) for i in range(len(h))})
-        total = {key: total.get(key, 0) + m.sum(0) for key, m in batch.items()}   # row sums
+        for key, m in batch.items():   # sums over the inputs
+            total[key] = total.get(key, 0) + m.sum(0)
     model.train(was_training)
     lengths = list(range(1, T + 1))
-    return {"length": lengths, **{key: [float(x) / N for x in m] for key, m in total.items()},
+    metrics = {key: [float(x) / N for x in m] for key, m in total.items()}
+    return {"length": lengths, **metrics,
             "log_positions": [math.log(s + (1 if cfg.bos else 0)) for s in lengths]}
 
 
-# ------------------------------- the main command's figures (matplotlib's object API: no screen)
-def new_figure(ncols=1):
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(5.2 * ncols, 3.8), layout="constrained")
-    return fig, fig.subplots(1, ncols)
-
-
-def plot_length(metrics, cfg, raw=None, average="EMA", laws=True):
-    """length.png. Left: TVD, 0 to 1. Middle: the logit gap (log scale) and theory.md's laws
-    matched at the longest training length L: 1/s (Pre-Norm) and v / sqrt(s (v - s)) (Post-
-    Norm). Right: attention entropy minus log(positions seen): 0 is uniform attention."""
-    fig, axes = new_figure(3)
-    s, L, v = metrics["length"], cfg.train_len, cfg.vocab
-    runs = ([(raw, "tab:gray", 1.2, "raw weights")] if raw else []) + [
-        (metrics, "tab:blue", 2, average if raw else "model")]
-    for m, color, lw, label in runs:
-        axes[0].plot(s, m["tvd"], color=color, lw=lw, label=label)
-        axes[1].plot(s, m["logit_gap"], color=color, lw=lw)
-        axes[2].plot(s, [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])],
-                     color=color, lw=lw)
-    if laws:   # Set Complement's laws (theory.md, sections 2 and 4)
-        g = metrics["logit_gap"][L - 1]
-        axes[1].plot(s, [g * L / x for x in s], "k:", label="law of pre: 1/s")
-        axes[1].plot(s, [g * math.sqrt(L * (v - L) / (x * (v - x))) for x in s], "k--", lw=1,
-                     label="law of post: v / sqrt(s (v-s))")
-    for ax, title, y in zip(axes, ("TVD to the exact target", "logit gap: unseen - seen",
-                                   "attention entropy - log(positions)"),
-                            (dict(ylim=(0, 1)), dict(yscale="log"), dict(ylim=(-1, 0.2)))):
-        ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths", zorder=0)
-        ax.set(xlabel="prefix length s", title=title, xlim=(0.5, s[-1] + 0.5), **y)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"norm={cfg.norm}, targets={cfg.targets}, seed={cfg.seed}", fontsize=10)
-    return fig
+# ------------------------------------- theory.md's laws for the logit gap (sections 2 and 4)
+GAP_LAWS = {   # up to a constant factor: Pre-Norm's (section 2) and Post-Norm's (section 4)
+    "pre": ("1/s", lambda s, v: 1 / s),
+    "post": ("v / sqrt(s (v-s))", lambda s, v: v / math.sqrt(s * (v - s))),
+}
 
 
 # ----------------------------- theory.md's construction, by hand, in the model class that trains
@@ -386,36 +370,22 @@ def hand_built(vocab, norm, gamma=1.0):
     the transpose of theory.md's row-vector matrices.)"""
     v, n = vocab, 2 * vocab   # float64, so that TVDs far below 1e-7 are exact
     model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
-    attn, eye = model.blocks[0].attn, lambda k: torch.eye(k, dtype=torch.double)
+    attn = model.blocks[0].attn
+    eye = torch.eye(v, dtype=torch.double)
     with torch.no_grad():
         for p in model.parameters():   # LayerNorms keep gain 1 and bias 0
             if p.dim() == 2:
                 p.zero_()
-        model.wte.weight[:, v:] = eye(v)
-        attn.c_attn.weight[2 * n:3 * n][:v, v:] = eye(v) - 1.0 / v   # W_V
-        attn.c_proj.weight.copy_(eye(n))                              # W_O
-        model.lm_head.weight[:, :v] = -gamma * eye(v)
+        model.wte.weight[:, v:] = eye
+        attn.c_attn.weight[2 * n:3 * n][:v, v:] = eye - 1.0 / v        # W_V
+        attn.c_proj.weight.copy_(torch.eye(n, dtype=torch.double))     # W_O
+        model.lm_head.weight[:, :v] = -gamma * eye
     return model.eval()
 
 
 # ======================================= Part 2: what reproduces the experiments (skip at first)
 
-import argparse  # noqa: E402  (Part 2's own imports, here so that Part 1 reads alone)
-import contextlib  # noqa: E402
-import functools  # noqa: E402
-import hashlib  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-from dataclasses import asdict, astuple, replace  # noqa: E402
-
 # ----------------------------------------------------------------------------- BEMA
-
-
 class BEMA(EMA):
     """Bias-corrected EMA (Block & Zhang 2025, "EMA Without the Lag"), with their defaults:
         beta_t  = (rho + gamma t)^-kappa            the weight of the new iterate
@@ -428,7 +398,8 @@ class BEMA(EMA):
 
     def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
         super().__init__(model, decay=None)
-        self.kappa, self.eta, self.rho, self.gamma, self.correct = kappa, eta, rho, gamma, correct
+        self.kappa, self.eta, self.rho, self.gamma = kappa, eta, rho, gamma
+        self.correct = correct
         self.theta0 = [p.detach().clone() for p in model.parameters()]
         self.params = list(model.parameters())   # live: theta_t after the t-th update
 
@@ -444,13 +415,9 @@ class BEMA(EMA):
         return [s + a * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
 
 
-def averagers_for(cfg):
-    """What train() should average: BEMA if cfg asks for it, else its default (cfg.ema)."""
-    return [BEMA] if cfg.bema else None
-
-
 def average_name(cfg):
     return "BEMA" if cfg.bema else f"EMA {cfg.ema}" if cfg.ema > 0 else "none"
+
 
 # ----------------------------------------------------------------------------- languages
 # Formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k, as tasks with
@@ -458,8 +425,6 @@ def average_name(cfg):
 # END. A stream is a run of strings, each ended by END, after which the next string starts
 # from the empty state; so every position has an exact next-token distribution, given by a
 # small automaton (theory.md, Appendix D).
-
-
 def language_state(cfg, n):
     """The automaton's state for n rows, before any token."""
     return {"count": torch.zeros(n, cfg.brackets, dtype=torch.long),   # opens - closes, per type
@@ -542,152 +507,110 @@ class Language:
         return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
 
 
-TASKS = {"complement": SetComplement, "dyck": Language, "shuffle": Language}
-
-
 def make_task(cfg):
     """The task object cfg names, for train() and evaluate()."""
-    return TASKS[cfg.task](cfg)
+    return SetComplement(cfg) if cfg.task == "complement" else Language(cfg)
+
+
+# ----------------------------------------------------------------------------- log-length scaling
+class LogLengthAttention(CausalSelfAttention):
+    """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions
+    (itself and every earlier one, BOS included) has its scores multiplied by s_h log(n),
+    with s_h a learned scale per head, initialized to 1:
+        att = softmax(s_h log(n) q k^T / sqrt(head size))
+    At n = 1 the one score becomes 0, which changes nothing: a single key has weight 1."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.log_scale = nn.Parameter(torch.ones(cfg.n_head))   # s_h
+
+    def scores(self, q, k):
+        n = torch.arange(1, q.shape[2] + 1, device=q.device, dtype=q.dtype)   # (T,)
+        return super().scores(q, k) * (self.log_scale[:, None, None] * n.log()[:, None])
+
+
+ATTENTIONS["logn"] = LogLengthAttention
+
 
 # ----------------------------------------------------------------------------- files
-# Every file is written to its own temporary name in the target folder, then renamed: a
-# reader never sees half a file, and two runs never share a temporary file. A run's files
-# are written together, under a lock on the folder (POSIX), with its JSON record last; the
-# record lists the sha256 of every file written with it, and is deleted before the others
-# are replaced. So: a figure whose hash is in the JSON beside it is from that run, and a
-# folder with no JSON was interrupted while writing.
-
-
-class WriteError(RuntimeError):
-    pass
-
-
-def write_bytes(path, data):
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
+def write_file(path, write):
+    """write(tmp) writes the file under a temporary name in the same folder, which is then
+    renamed: a reader, or a run interrupted while writing, never leaves half a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)   # mkstemp's 0600 would differ from the other files
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def figure_bytes(fig):
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return buf.getvalue()
+def write_outputs(out, files):
+    """Write {name: text, figure or JSON object} into the folder out; returns the paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = []
+    for name, data in files.items():
+        paths.append(os.path.join(out, name))
+        if hasattr(data, "savefig"):
+            write_file(paths[-1], lambda f: data.savefig(f, format="png", dpi=110))
+        else:
+            text = data if isinstance(data, str) else json.dumps(data, indent=1, allow_nan=False)
+            write_file(paths[-1], lambda f: Path(f).write_text(text.rstrip("\n") + "\n",
+                                                              encoding="utf-8"))
+    return paths
 
 
-def json_bytes(obj):
-    return (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode("utf-8")
-
-
-@contextlib.contextmanager
-def folder_lock(folder):
-    """Exclusive while it lasts, against other runs writing the same folder (POSIX only)."""
-    try:
-        import fcntl
-    except ImportError:    # Windows: no lock; each file is still whole
-        yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-class Interrupted(Exception):
-    """A signal asked the run to stop: Ctrl-C (SIGINT), SIGTERM or SIGHUP (main's handler)."""
-
-    def __init__(self, signum, written=None):
-        super().__init__(signum)
-        self.signum, self.written = signum, written
-
-
-def write_outputs(out, files, record_name=None, record=None, extra=None):
-    """Write files {name: bytes} into out, then extra {path: bytes} (a checkpoint, anywhere),
-    then the JSON record (if any) listing the sha256 of all of them, all under one lock.
-    Everything is rendered before this is called, so a failure here is the disk's."""
-    path, done, extra = None, [], extra or {}
-    try:
-        os.makedirs(out, exist_ok=True)
-        with folder_lock(out):
-            if record_name and os.path.exists(os.path.join(out, record_name)):
-                os.remove(os.path.join(out, record_name))
-            for path, data in [(os.path.join(out, n), d) for n, d in files.items()] + list(
-                    extra.items()):
-                write_bytes(path, data)
-                done.append(path)
-            if record_name:
-                hashes = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-                path = os.path.join(out, record_name)
-                write_bytes(path, json_bytes({**record, "files": hashes}))
-    except OSError as e:
-        why = e.strerror or type(e).__name__
-        raise WriteError(f"could not write {path or out} ({why}); written: "
-                         f"{', '.join(done) or 'nothing'}" +
-                         (f"; {record_name} was not, so {out} holds an incomplete set"
-                          if record_name and done else "")) from None
-    except Interrupted as e:
-        e.written = done
-        raise
-    return [os.path.join(out, name) for name in files] + list(extra) + (
-        [os.path.join(out, record_name)] if record_name else [])
-
-
-def checkpoint_hash(ckpt):
-    """sha256 of a checkpoint's config and of every tensor's bytes, read in place (no copy)."""
-    h = hashlib.sha256(json.dumps(ckpt["config"], sort_keys=True).encode("utf-8"))
-    for name, tensor in list(ckpt["model"].items()) + list(enumerate(ckpt.get("ema", []))):
-        h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode("utf-8"))
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def checkpoint_bytes(model, averager, cfg):
-    """Config, raw weights and averaged weights (if any), with the sha256 of all of them, so
-    that a changed byte is found when the file is loaded. A view of one buffer, not a copy:
-    the weights are held once more, not three times."""
+def save_checkpoint(path, model, averager, cfg):
+    """The config, the raw weights and the averaged ones (if any), for load_checkpoint."""
     ckpt = {"config": asdict(cfg), "model": model.state_dict()}
     if averager:
         ckpt["ema"] = [a.cpu() for a in averager.averaged()]
-    ckpt["sha256"] = checkpoint_hash(ckpt)
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    return buf.getbuffer()
+    write_file(path, lambda f: torch.save(ckpt, f))
 
 
 def load_checkpoint(path, raw=False, device="cpu"):
     """A ready model in eval mode: the averaged weights if the run had them (unless raw)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        if checkpoint_hash(ckpt) != ckpt["sha256"]:
-            raise ValueError(f"{path} is damaged: its contents do not match their sha256")
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
-        shapes = [p.shape for p in model.parameters()]
-        if "ema" in ckpt and [t.shape for t in ckpt["ema"]] != shapes:
-            raise ValueError(f"{path}: its averaged weights do not fit its model")
-    except ValueError:
-        raise
-    except Exception as e:   # a damaged file can fail anywhere in torch.load's parsers
-        raise ValueError(f"{path} is not a resharpen.py checkpoint ({e or type(e).__name__})")
-    if "ema" in ckpt and not raw:
         with torch.no_grad():
-            for p, s in zip(model.parameters(), ckpt["ema"]):
-                p.copy_(s)
+            for p, a in zip(model.parameters(), [] if raw else ckpt.get("ema", [])):
+                p.copy_(a)
+    except Exception as e:   # a file of another kind can fail anywhere in torch.load
+        raise ValueError(f"{path} is not a resharpen.py checkpoint ({e or type(e).__name__})")
     return model.to(device).eval()
 
-# ----------------------------------------------------------------------------- main command
-# python resharpen.py [flags]: train, evaluate at every length, print, write the figures
+
+# ----------------------------------------------------------------------------- shared by the modes
+def new_figure(ncols=1, width=5.2, height=3.8):
+    """A figure with ncols axes side by side (a list, even of one), drawn off screen."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
+
+
+def shade_training(ax, train_len, n, label="training lengths"):
+    """Grey band over the training lengths; x axis from 0.5 to n + 0.5."""
+    ax.axvspan(0.5, train_len + 0.5, color="0.9", label=label, zorder=0)
+    ax.set(xlabel="prefix length s", xlim=(0.5, n + 0.5))
+
+
+def md_table(header, rows):
+    """Markdown table lines from a header and rows of cells."""
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def mean_sd(values, digits=3):
+    """'mean +- sample standard deviation', for the tables."""
+    m = mean(values)
+    sd = math.sqrt(sum((x - m) ** 2 for x in values) / max(len(values) - 1, 1))
+    return f"{m:.{digits}f} +- {sd:.{digits}f}"
 
 
 def summarize(metrics, train_len):
@@ -695,11 +618,42 @@ def summarize(metrics, train_len):
     train_len = v - 1), and at the longest."""
     tvd = metrics["tvd"]
     beyond = tvd[train_len:]
-    return {"tvd_train": sum(tvd[:train_len]) / len(tvd[:train_len]),
-            "tvd_extrap": sum(beyond) / len(beyond) if beyond else None,
+    return {"tvd_train": mean(tvd[:train_len]),
+            "tvd_extrap": mean(beyond) if beyond else None,
             "tvd_last": tvd[-1]}
 
 
+def plot_panels(panels, train_len, n, ncol=4, overlay=None):
+    """A figure of metrics against length s = 1 .. n, one panel per (title, ylabel, axis
+    settings, curves); each curve {label: (color, [one list per seed], line style)} is drawn
+    as its mean with a min-max band over the seeds; training lengths shaded."""
+    fig, axes = new_figure(len(panels), width=4.8 if len(panels) < 4 else 3.9, height=4.2)
+    for ax, (title, ylabel, settings, curves) in zip(axes, panels):
+        shade_training(ax, train_len, n)
+        for label, (color, runs, style) in curves.items():
+            xs = list(range(1, len(runs[0]) + 1))
+            ax.fill_between(xs, [min(c) for c in zip(*runs)], [max(c) for c in zip(*runs)],
+                            color=color, alpha=0.3, lw=0, zorder=style.get("zorder", 2))
+            ax.plot(xs, [mean(c) for c in zip(*runs)], color=color, label=label, **style)
+        ax.set(title=title, ylabel=ylabel, **settings)
+    if overlay:
+        overlay(axes)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=ncol,
+               fontsize=8)
+    return fig
+
+
+def finish(out, name, text, command, details, figures, record, wall):
+    """Print a mode's table and write it to name.md with the command that made it, its
+    figures and its JSON record."""
+    md = f"Written by `{command}` ({details}).\n\n{text}\n"
+    print("\n" + text)
+    written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
+    print(f"wrote {', '.join(written)}" + (f" | {wall:.0f}s" if wall is not None else ""))
+
+
+# ----------------------------------------------------------------------------- main command
+# python resharpen.py [flags]: train, evaluate at every length, print, write the figures
 def format_table(metrics, train_len, raw=None):
     """A compact table, one row per selected length."""
     n = len(metrics["length"])
@@ -717,9 +671,35 @@ def format_table(metrics, train_len, raw=None):
     return "\n".join(lines)
 
 
+def plot_length(metrics, cfg, raw=None, average="EMA", laws=True):
+    """length.png. Left: TVD, 0 to 1. Middle: the logit gap (log scale) and theory.md's laws
+    matched at the longest training length L: 1/s (Pre-Norm) and v / sqrt(s (v - s)) (Post-
+    Norm). Right: attention entropy minus log(positions seen): 0 is uniform attention."""
+    fig, axes = new_figure(3)
+    s, L, v = metrics["length"], cfg.train_len, cfg.vocab
+    for m, color, lw, label in ([(raw, "tab:gray", 1.2, "raw weights")] if raw else []) + [
+            (metrics, "tab:blue", 2, average if raw else "model")]:
+        axes[0].plot(s, m["tvd"], color=color, lw=lw, label=label)
+        axes[1].plot(s, m["logit_gap"], color=color, lw=lw)
+        axes[2].plot(s, [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])],
+                     color=color, lw=lw)
+    for (norm, (name, law)), style in zip(GAP_LAWS.items() if laws else [], ("k:", "k--")):
+        g = metrics["logit_gap"][L - 1]   # each law equals the gap at L
+        axes[1].plot(s, [g * law(x, v) / law(L, v) for x in s], style, lw=1,
+                     label=f"law of {norm}: {name}")
+    for ax, title, y in zip(axes, ("TVD to the exact target", "logit gap: unseen - seen",
+                                   "attention entropy - log(positions)"),
+                            (dict(ylim=(0, 1)), dict(yscale="log"), dict(ylim=(-1, 0.2)))):
+        shade_training(ax, L, s[-1])
+        ax.set(title=title, **y)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"norm={cfg.norm}, targets={cfg.targets}, seed={cfg.seed}", fontsize=10)
+    return fig
+
+
 def plot_loss(losses, floor):
     """loss.png: the training loss, smoothed over 50 steps, and its floor."""
-    fig, ax = new_figure()
+    fig, (ax,) = new_figure()
     k = min(50, len(losses))
     smooth = [sum(losses[i:i + k]) / k for i in range(len(losses) - k + 1)]
     ax.plot(range(k, len(losses) + 1), smooth, lw=1, label=f"loss ({k}-step mean)")
@@ -740,13 +720,12 @@ def run_one(cfg, out, save=None):
           f"[{NORMS[cfg.norm]}], averaging={average_name(cfg)}, targets={cfg.targets}, "
           f"lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, device={pick_device(cfg.device)}")
     t0 = time.time()
-    model, averagers, losses = train(cfg, average_with=averagers_for(cfg), task=task)
+    model, averages, losses = train(cfg, task, averagers=(lambda m: [BEMA(m)]) if cfg.bema
+                                    else None)
     train_time = time.time() - t0
-    metrics = raw = evaluate(model, task=task)
-    if averagers:
-        metrics = evaluate(averaged_copy(model, averagers[0]), task=task)
-    else:
-        raw = None
+    raw = evaluate(model, task=task)
+    metrics = evaluate(averaged_copy(model, averages[0]), task=task) if averages else raw
+    raw = raw if averages else None
     if not (finite(metrics) and (raw is None or finite(raw))):
         raise FloatingPointError("the metrics are not finite (the logits overflow)")
     print(f"\nevaluated on {EVAL_PERMS} fixed inputs" +
@@ -754,43 +733,102 @@ def run_one(cfg, out, save=None):
            if raw else ""))
     print(format_table(metrics, cfg.train_len, raw))
     summary = summarize(metrics, cfg.train_len)
-    n = len(metrics["length"])
-    extrap = (f"{cfg.train_len + 1}..{n} {summary['tvd_extrap']:.4f}"
-              if summary["tvd_extrap"] is not None else "none (every length was trained)")
+    extrap = "none (every length was trained)"
+    if summary["tvd_extrap"] is not None:
+        extrap = f"{cfg.train_len + 1}..{len(metrics['length'])} {summary['tvd_extrap']:.4f}"
     line = f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation {extrap}"
     if raw and summary["tvd_extrap"] is not None:
         r = summarize(raw, cfg.train_len)
         line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"
     print(line)
-    # Everything is rendered before anything is written.
-    laws = isinstance(task, SetComplement)
-    files = {"length.png": figure_bytes(plot_length(metrics, cfg, raw, average_name(cfg), laws)),
-             "loss.png": figure_bytes(plot_loss(losses, task.loss_floor()))}
     record = {"config": asdict(cfg), **metrics, "summary": summary,
               "train_seconds": round(train_time, 2)}
     if raw:
         record["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
-    extra = {}
+    laws = isinstance(task, SetComplement)
+    figures = {"length.png": plot_length(metrics, cfg, raw, average_name(cfg), laws),
+               "loss.png": plot_loss(losses, task.loss_floor())}
+    written = write_outputs(out, {**figures, "metrics.json": record})
     if save:
-        extra[save] = checkpoint_bytes(model, averagers[0] if averagers else None, cfg)
-        record["checkpoint"] = {"path": save, "sha256": hashlib.sha256(extra[save]).hexdigest()}
-    written = write_outputs(out, files, "metrics.json", record, extra)
+        save_checkpoint(save, model, averages[0] if averages else None, cfg)
+        written.append(save)
     print(f"wrote {', '.join(written)} | {time.time() - t0:.1f}s")
 
-# ----------------------------------------------------------------------------- comparison
-# python resharpen.py --compare: every claim of the paper, 3 seeds each (README, "Results")
 
+# ----------------------------------------------------------------------------- grids
 COMPARE_SEEDS = 3
 COMPARE_EMA = 0.999
 AVERAGES = ("raw", "ema", "bema")
-AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA", "ema99": "EMA 0.99"}
-AVERAGERS = {"ema": lambda m: EMA(m, COMPARE_EMA), "ema99": lambda m: EMA(m, 0.99), "bema": BEMA}
+AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
+AVERAGERS = {"ema": lambda m: EMA(m, COMPARE_EMA), "bema": BEMA}
 COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
           "post-residual": "tab:purple"}
 
 
+def train_and_evaluate(cfg, averages=("ema", "bema"), threads=None):
+    """Train one configuration; evaluate its raw weights and each average (AVERAGERS)."""
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.time()
+    task = make_task(cfg)
+    model, avgs, _ = train(cfg, task, log=lambda *a: None,
+                           averagers=lambda m: [AVERAGERS[a](m) for a in averages])
+    result = {"raw": evaluate(model, task=task)}
+    for a, avg in zip(averages, avgs):
+        result[a] = evaluate(averaged_copy(model, avg), task=task)
+    if not all(finite(m) for m in result.values()):
+        raise FloatingPointError(f"the metrics of {cfg} are not finite")
+    return cfg, result, time.time() - t0
+
+
+def grid_workers(runs, device):
+    """Every CPU core this process may use, one run each; one run at a time on a GPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(cores or 1, len(runs)) if device == "cpu" else 1
+
+
+def run_grid(runs, device, averages=("ema", "bema")):
+    """Train and evaluate every run, on every core at once (one thread each), with a
+    progress line per run. Returns (results in the order of runs, wall seconds, workers)."""
+    workers = grid_workers(runs, device)
+    print(f"{len(runs)} training runs on {device}, {workers} at a time", flush=True)
+    t0, done = time.time(), []
+    pool = None
+    try:
+        if workers > 1:
+            import multiprocessing
+            # The workers start with Ctrl-C ignored (inherited): this process stops them.
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            pool = multiprocessing.get_context("spawn").Pool(workers)
+            signal.signal(signal.SIGINT, old)
+            job = functools.partial(train_and_evaluate, averages=averages, threads=1)
+            results = pool.imap_unordered(job, runs)
+        else:
+            results = (train_and_evaluate(cfg, averages) for cfg in runs)
+        for cfg, result, seconds in results:
+            done.append((cfg, result, seconds))
+            left = math.ceil((len(runs) - len(done)) / workers)
+            eta = mean([d[2] for d in done]) * left
+            tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
+                            for a, m in result.items())
+            print(f"[{len(done):2d}/{len(runs)}] {make_task(cfg).name:13s} {cfg.norm:13s} "
+                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} lr {cfg.lr:g} seed {cfg.seed} | "
+                  f"extrapolation TVD {tvds} | {seconds:.0f}s | ETA {eta:.0f}s", flush=True)
+    finally:
+        if pool:
+            pool.terminate()
+    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
+    return done, time.time() - t0, workers
+
+
+
+# ----------------------------------------------------------------------------- comparison
+# python resharpen.py --compare: every claim of the paper, 3 seeds each (README, "Results")
 REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
            ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
+LONG_MODEL = dict(vocab=64, train_len=15, n_embd=128)   # tested to s = 63 = 4.2 x 15
+LONG_NORMS = ("pre", "pre-final", "post")
+LONG_REGIMES = (("sampled", "constant"), ("exact", "cosine"))   # the noisiest, the quietest
 
 
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
@@ -808,7 +846,7 @@ def tune_rates(base, norms, regimes, lrs, device):
     the lowest training-length TVD (EMA weights) is chosen, and the other seeds train at it.
     Returns (every run, wall, workers, {(norm, targets, schedule): chosen rate})."""
     first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device)
-    key = lambda c: (c.norm, c.targets, c.lr_schedule)
+    key = lambda c: (c.norm, c.targets, c.lr_schedule)  # noqa: E731
     chosen = {}
     for c, r, _ in sorted(first, key=lambda d: summarize(d[1]["ema"], base.train_len)["tvd_train"]):
         chosen.setdefault(key(c), c.lr)
@@ -818,105 +856,13 @@ def tune_rates(base, norms, regimes, lrs, device):
     return first + more, wall + wall2, workers, chosen
 
 
-def compare_one(cfg, averages=("ema", "bema"), threads=None):
-    """Train one configuration; evaluate its raw weights and each average (AVERAGERS)."""
-    if threads:
-        torch.set_num_threads(threads)
-    t0 = time.time()
-    task = make_task(cfg)
-    model, avgs, _ = train(cfg, log=lambda *a: None,
-                           average_with=[AVERAGERS[a] for a in averages], task=task)
-    result = {"raw": evaluate(model, task=task)}
-    result.update({a: evaluate(averaged_copy(model, avg), task=task)
-                   for a, avg in zip(averages, avgs)})
-    if not all(finite(m) for m in result.values()):
-        raise FloatingPointError(f"the metrics of {cfg} are not finite")
-    return cfg, result, time.time() - t0
-
-
-def usable_cores():
-    """The cores this process may run on (taskset, containers), not all the machine has."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
-def _ignore_ctrl_c():
-    """Worker processes leave Ctrl-C to the main process, which stops them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def run_grid(runs, device, averages=("ema", "bema")):
-    """Train and evaluate every run: on every CPU core at once (one thread each), or one
-    at a time on a GPU, with a progress line per run. Returns (results, wall, workers)."""
-    workers = min(usable_cores(), len(runs)) if device == "cpu" else 1
-    print(f"{len(runs)} training runs on {device}, {workers} at a time", flush=True)
-    t0, done = time.time(), []
-    if workers > 1:
-        import multiprocessing
-        # The workers and multiprocessing's helper process start with SIGHUP ignored (a
-        # closed terminal hangs up the whole group): this process stops them itself.
-        hup = getattr(signal, "SIGHUP", None)
-        old = signal.signal(hup, signal.SIG_IGN) if hup else None
-        try:
-            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_ctrl_c)
-        finally:
-            if hup:
-                signal.signal(hup, old)
-        job = functools.partial(compare_one, averages=averages, threads=1)
-        results = pool.imap_unordered(job, runs)
-    else:
-        pool, results = None, (compare_one(cfg, averages) for cfg in runs)
-    try:
-        for cfg, result, seconds in results:
-            done.append((cfg, result, seconds))
-            s = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
-                         for a, m in result.items())
-            extra = "".join([f" dropout {cfg.dropout}" if cfg.dropout else "",
-                             " bos" if cfg.bos else "",
-                             f" {cfg.attn_scale}" if cfg.attn_scale != "none" else ""])
-            print(f"[{len(done):2d}/{len(runs)}] {make_task(cfg).name:13s} {cfg.norm:13s} "
-                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} seed {cfg.seed}{extra} | extrapolation "
-                  "TVD "
-                  f"{s} | {seconds:.0f}s | ETA {eta(done, len(runs), workers):.0f}s", flush=True)
-    finally:
-        if pool:
-            pool.terminate()
-    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
-    return done, time.time() - t0, workers
-
-
-def eta(done, total, workers):
-    """Seconds left: the mean run time so far, times the runs left per worker."""
-    mean = sum(seconds for _, _, seconds in done) / len(done)
-    return mean * math.ceil((total - len(done)) / workers)
-
-
 def compare_rows(runs):
     """Group finished runs by configuration: {(norm, targets, schedule, average): [metrics]}."""
     rows = {}
     for cfg, result, _ in runs:
         for avg in AVERAGES:
-            key = (cfg.norm, cfg.targets, cfg.lr_schedule, avg)
-            rows.setdefault(key, []).append(result[avg])
+            rows.setdefault((cfg.norm, cfg.targets, cfg.lr_schedule, avg), []).append(result[avg])
     return rows
-
-
-def mean_sd(values, digits=3):
-    """'mean +- sample standard deviation', for the tables."""
-    mean = sum(values) / len(values)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / max(len(values) - 1, 1))
-    return f"{mean:.{digits}f} +- {sd:.{digits}f}"
-
-
-def gap_laws(v):
-    """theory.md's laws for the logit gap, as (norm, what, says, function of (s, gap)) that
-    should be constant in s: Pre-Norm's gap falls like 1/s (section 2), Post-Norm's like
-    v / sqrt(s (v - s)) (section 4: slower, and never below its value at s = v / 2)."""
-    return [("pre", "gap x s", "constant: the gap falls like 1/s", lambda s, g: g * s),
-            ("post", "gap x sqrt(s (v-s)) / v",
-             "constant: the gap follows v / sqrt(s (v-s)), lowest at s = v/2",
-             lambda s, g: g * math.sqrt(s * (v - s)) / v)]
 
 
 def columns(L, v):
@@ -935,8 +881,9 @@ def columns(L, v):
 def crossover(post, rival):
     """The shortest length from which post's TVD (mean over seeds) is below rival's at every
     longer length; None if it is not below at the longest."""
-    mean = lambda runs: [sum(c) / len(c) for c in zip(*[m["tvd"] for m in runs])]
-    a, b, start = mean(post), mean(rival), None
+    a = [mean(c) for c in zip(*[m["tvd"] for m in post])]
+    b = [mean(c) for c in zip(*[m["tvd"] for m in rival])]
+    start = None
     for s in range(len(a), 0, -1):
         if a[s - 1] >= b[s - 1]:
             break
@@ -960,77 +907,64 @@ def compare_summary(rows, L, v, norms, regimes):
     return out
 
 
-def compare_table(summary, L, v, norms, wall, n_runs, workers, laws=None):
+def compare_table(summary, L, v, norms):
     """Markdown: the headline (placements x regimes, EMA weights), then every regime in full."""
-    mean = lambda xs: sum(xs) / len(xs)
     tested = [r for r in (2, 4) if r * L <= v - 1]   # 2 L, and 4 L where it is a test length
     at = [f"s = {r * L} ({r} L)" for r in tested]      # their names in columns()
     regimes = list(summary)
-    out = ["### Headline: TVD on the training lengths / at " + " / at ".join(
-               f"{r} L = {r * L}" for r in tested) +
-           f" (EMA {COMPARE_EMA}, mean of {COMPARE_SEEDS} seeds)", "",
-           "| placement | " + " | ".join(regimes) + " |",
-           "|---" * (len(regimes) + 1) + "|"]
-    for norm in norms:
-        cells = [" / ".join(f"{mean(summary[r][norm]['ema'][c]):.4f}"
-                            for c in ["training lengths"] + at) for r in regimes]
-        out.append(f"| `{norm}` | " + " | ".join(cells) + " |")
+    rows = [[f"`{norm}`"] + [" / ".join(f"{mean(summary[r][norm]['ema'][c]):.4f}"
+                                        for c in ["training lengths"] + at) for r in regimes]
+            for norm in norms]
     if "post" in norms and "pre-final" in norms:
-        cross = [summary[r]["crossover"]["ema"] for r in regimes]
-        out.append("| `post` below `pre-final` from s = | " +
-                   " | ".join(str(c) if c else "never" for c in cross) + " |")
+        rows.append(["`post` below `pre-final` from s ="] + [
+            str(summary[r]["crossover"]["ema"] or "never") for r in regimes])
+    out = ["### Headline: TVD on the training lengths / at " + " / at ".join(
+        f"{r} L = {r * L}" for r in tested) + f" (EMA {COMPARE_EMA}, mean of {COMPARE_SEEDS} "
+        "seeds)", ""] + md_table(["placement"] + regimes, rows)
     names = [name for name, _ in columns(L, v)]
     for r in regimes:
-        out += ["", f"### {r} (TVD, mean +- sd over seeds)", "",
-                "| placement | weights | " + " | ".join(names) + " |",
-                "|---" * (len(names) + 2) + "|"]
-        for norm in norms:
-            for avg in AVERAGES:
-                vals = summary[r][norm][avg]
-                out.append(f"| `{norm}` | {AVERAGE_LABELS[avg]} | " +
-                           " | ".join(mean_sd(vals[n], 4) for n in names) + " |")
+        rows = [[f"`{norm}`", AVERAGE_LABELS[avg]] + [mean_sd(summary[r][norm][avg][n], 4)
+                                                      for n in names]
+                for norm in norms for avg in AVERAGES]
+        out += ["", f"### {r} (TVD, mean +- sd over seeds)", ""]
+        out += md_table(["placement", "weights"] + names, rows)
         if "crossover" in summary[r]:
             out += ["", "`post` below `pre-final` at every length from s = " + ", ".join(
                 f"{summary[r]['crossover'][a] or 'never'} ({AVERAGE_LABELS[a]})"
                 for a in AVERAGES) + "."]
-    if laws:
-        out += ["", laws]
-    out += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {n_runs} training runs, "
-            f"{wall:.0f} s wall in {workers} worker process(es)."]
-    return "\n".join(out)
+    return out
 
 
 def laws_table(rows, v):
     """theory.md's laws on the trained models (sampled targets, constant rate, EMA weights)."""
-    out = ["### The laws of theory.md on the trained models (sampled, constant; EMA weights)",
-           "", "| norm | quantity, over s = 1 .. v-1 | theory says | min | max |",
-           "|---" * 5 + "|"]
-    for norm, what, says, law in gap_laws(v):
+    says = {"pre": ("gap x s", "constant: the gap falls like 1/s"),
+            "post": ("gap x sqrt(s (v-s)) / v",
+                     "constant: the gap follows v / sqrt(s (v-s)), lowest at s = v/2")}
+    table = []
+    for norm, (_, law) in GAP_LAWS.items():
         runs = rows[(norm, "sampled", "constant", "ema")]
-        vals = [law(s, g) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
-        out.append(f"| `{norm}` | {what} | {says} | {min(vals):.3f} | {max(vals):.3f} |")
+        vals = [g / law(s, v) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
+        table.append([f"`{norm}`", *says[norm], f"{min(vals):.3f}", f"{max(vals):.3f}"])
     for norm in ("pre", "pre-final", "post"):
         runs = rows[(norm, "sampled", "constant", "ema")]
         vals = [h - u for m in runs for h, u in zip(m["attn_entropy"], m["log_positions"])]
-        out.append(f"| `{norm}` | attention entropy - log s | 0: uniform attention | "
-                   f"{min(vals):.3f} | {max(vals):.3f} |")
-    return "\n".join(out)
+        table.append([f"`{norm}`", "attention entropy - log s", "0: uniform attention",
+                      f"{min(vals):.3f}", f"{max(vals):.3f}"])
+    return ["### The laws of theory.md on the trained models (sampled, constant; EMA weights)",
+            ""] + md_table(["norm", "quantity, over s = 1 .. v-1", "theory says", "min", "max"],
+                           table)
 
 
-def rates_table(done, chosen, summary, L):
+def rates_table(done, chosen, L):
     """The rate sweep on the first seed: training-length TVD and TVD at 2 L, EMA weights."""
-    out = ["### Learning rates (first seed, EMA weights; the chosen rate has the lowest TVD on "
-           "the training lengths; the other seeds ran at it)", "",
-           "| regime | placement | lr | TVD, training lengths | TVD at 2 L | chosen |",
-           "|---" * 6 + "|"]
     seed = min(c.seed for c, _, _ in done)
-    for c, r, _ in done:
-        if c.seed == seed:
-            m = r["ema"]
-            out.append(f"| {c.targets}, {c.lr_schedule} | `{c.norm}` | {c.lr:g} | "
-                       f"{summarize(m, L)['tvd_train']:.4f} | {m['tvd'][2 * L - 1]:.4f} | "
-                       f"{'yes' if chosen[(c.norm, c.targets, c.lr_schedule)] == c.lr else ''} |")
-    return "\n".join(out)
+    rows = [[f"{c.targets}, {c.lr_schedule}", f"`{c.norm}`", f"{c.lr:g}",
+             f"{summarize(r['ema'], L)['tvd_train']:.4f}", f"{r['ema']['tvd'][2 * L - 1]:.4f}",
+             "yes" if chosen[(c.norm, c.targets, c.lr_schedule)] == c.lr else ""]
+            for c, r, _ in done if c.seed == seed]
+    return ["### Learning rates (first seed, EMA weights; the chosen rate has the lowest TVD on "
+            "the training lengths; the other seeds ran at it)", ""] + md_table(
+        ["regime", "placement", "lr", "TVD, training lengths", "TVD at 2 L", "chosen"], rows)
 
 
 def layer_entropy_table(rows, cfg, norms, regimes):
@@ -1038,203 +972,105 @@ def layer_entropy_table(rows, cfg, norms, regimes):
     seeds (0: uniform attention over the prefix)."""
     L, v = cfg.train_len, cfg.vocab
     at = sorted({L, 2 * L, v - 1} & set(range(1, v)))
-    out = ["### Attention entropy minus log(positions), per layer (EMA weights, mean of seeds; "
-           "0 = uniform)", "", "| regime | placement | layer | " +
-           " | ".join(f"s = {s}" for s in at) + " |", "|---" * (3 + len(at)) + "|"]
+    table = []
     for t, sch in regimes:
         for norm in norms:
             runs = rows[(norm, t, sch, "ema")]
             for i in range(1, cfg.n_layer + 1):
-                cells = [sum(m[f"attn_entropy_layer{i}"][s - 1] - m["log_positions"][s - 1]
-                             for m in runs) / len(runs) for s in at]
-                out.append(f"| {t}, {sch} | `{norm}` | {i} | " +
-                           " | ".join(f"{x:.3f}" for x in cells) + " |")
-    return "\n".join(out)
-
-
-def _band(ax, xs, curves, label, color, lw=2, zorder=2, ls="-"):
-    mean = [sum(c) / len(c) for c in zip(*curves)]
-    ax.fill_between(xs, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
-                    color=color, alpha=0.3, lw=0, zorder=zorder)
-    ax.plot(xs, mean, color=color, lw=lw, label=label, zorder=zorder, ls=ls)
-    return mean
+                cells = [mean([m[f"attn_entropy_layer{i}"][s - 1] - m["log_positions"][s - 1]
+                               for m in runs]) for s in at]
+                table.append([f"{t}, {sch}", f"`{norm}`", i] + [f"{x:.3f}" for x in cells])
+    return ["### Attention entropy minus log(positions), per layer (EMA weights, mean of seeds; "
+            "0 = uniform)", ""] + md_table(
+        ["regime", "placement", "layer"] + [f"s = {s}" for s in at], table)
 
 
 def plot_compare_norms(rows, cfg):
-    """compare_norms.png, the README's first figure. Left: the logit gap against length
-    per norm placement, with theory.md's laws matched at the longest training length.
-    Right: TVD against length. EMA weights; mean and min-max band over the seeds."""
-    fig, (ax1, ax2) = new_figure(2)
-    fig.set_size_inches(10.4, 4.6)
-    s, L, v = list(range(1, cfg.vocab)), cfg.train_len, cfg.vocab
-    for ax in (ax1, ax2):
-        ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths")
-    for norm in ("pre", "post-residual", "pre-final", "post"):   # the remedy drawn last
-        runs = rows[(norm, "sampled", "constant", "ema")]
-        top = dict(lw=3, zorder=5) if norm == "post" else dict(lw=1.5, zorder=3)
-        gap = _band(ax1, s, [m["logit_gap"] for m in runs], f"{norm}: {NORMS[norm].split(':')[0]}",
-                    COLORS[norm], **top)
-        _band(ax2, s, [m["tvd"] for m in runs], None, COLORS[norm], **top)
-        law = {"pre": lambda x: L / x, "post": lambda x: math.sqrt(L * (v - L) / (x * (v - x)))}
-        if norm in law:
-            ax1.plot(s, [gap[L - 1] * law[norm](x) for x in s], ":", color="k", lw=1.5, zorder=6,
-                     label="theory: 1/s (pre), v/sqrt(s(v-s)) (post)" if norm == "post" else None)
-    ax1.set(xlabel="prefix length s", ylabel="logit gap: unseen minus seen", yscale="log",
-            title="the gap: Pre-Norm's falls like 1/s, Post-Norm's stays up")
-    ax2.set(xlabel="prefix length s", ylabel="TVD to the exact target", ylim=(0, 1),
-            title="the error beyond the training lengths")
-    ax2.annotate(f"s = {v - 1}: one unseen token left,\nand Post-Norm's gap rises again",
-                 xy=(v - 1, 0.03), xytext=(v - 14, 0.3), fontsize=8,
-                 arrowprops=dict(arrowstyle="->", lw=0.8))
-    for ax in (ax1, ax2):
-        ax.set_xlim(0.5, v - 0.5)
-    fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
-    return fig
+    """compare_norms.png, the README's first figure, per placement (sampled targets, constant
+    rate, EMA weights): the logit gap with theory.md's laws matched at the longest training
+    length L, the TVD on a linear axis, and attention entropy minus log s (0: uniform)."""
+    L, v = cfg.train_len, cfg.vocab
+    runs = {n: rows[(n, "sampled", "constant", "ema")]   # the remedy drawn last, on top
+            for n in ("pre", "post-residual", "pre-final", "post")}
 
+    def curves(f):
+        return {n: (COLORS[n], [f(m) for m in ms], dict(lw=3, zorder=5) if n == "post"
+                    else dict(lw=1.5, zorder=3)) for n, ms in runs.items()}
 
-def plot_compare_dispersion(rows, cfg):
-    """compare_dispersion.png: attention entropy minus log s (0 = uniform attention: full
-    dispersion), per norm placement, EMA weights, mean and min-max band."""
-    fig, ax = new_figure()
-    s = list(range(1, cfg.vocab))
-    ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-    ax.axhline(0, color="k", ls="--", lw=1, label="uniform attention")
-    for norm in NORMS:
-        runs = rows[(norm, "sampled", "constant", "ema")]
-        _band(ax, s, [[h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]
-                      for m in runs], norm, COLORS[norm], lw=1.5)
-    ax.set(xlabel="prefix length s", ylabel="attention entropy - log s (nats)",
-           title="distance from uniform attention (0 = uniform)", xlim=(0.5, cfg.vocab - 0.5))
-    ax.legend(fontsize=7, loc="lower right")
-    return fig
-
-
-def plot_compare_noise(rows, cfg):
-    """compare_noise.png: post-norm TVD per targets/schedule, per weight average."""
-    fig, axes = new_figure(2)
-    groups = [(t, sch) for t in ("sampled", "exact") for sch in ("constant", "cosine")]
-    width = 0.27
-    for ax, key, title in zip(axes, ("tvd_train", "tvd_extrap"),
-                              ("training lengths", "extrapolation lengths")):
-        for j, (avg, color) in enumerate(zip(AVERAGES, ("0.6", "tab:blue", "tab:green"))):
-            vals = [[summarize(m, cfg.train_len)[key] for m in rows[("post", *g, avg)]]
-                    for g in groups]
-            mean = [sum(v) / len(v) for v in vals]
-            err = [[m - min(v) for m, v in zip(mean, vals)],
-                   [max(v) - m for m, v in zip(mean, vals)]]
-            xs = [i + (j - 1) * width for i in range(len(groups))]
-            ax.bar(xs, mean, width, yerr=err, color=color, label=AVERAGE_LABELS[avg], capsize=2)
-        ax.set_xticks(range(len(groups)), [f"{t}\n{sch}" for t, sch in groups], fontsize=8)
-        ax.set(ylabel="mean TVD", title=f"post-norm, {title}")
-        ax.legend(fontsize=8)
-    return fig
+    def laws(axes):
+        for norm, ls in (("pre", ":"), ("post", "--")):
+            name, law = GAP_LAWS[norm]
+            g = mean([m["logit_gap"][L - 1] for m in runs[norm]])
+            axes[0].plot(range(1, v), [g * law(x, v) / law(L, v) for x in range(1, v)], ls,
+                         color="k", lw=1.2, zorder=6, label=f"law of {norm}: {name}")
+    return plot_panels([
+        ("the logit gap: Pre-Norm's falls like 1/s", "unseen minus seen logit (log)",
+         dict(yscale="log"), curves(lambda m: m["logit_gap"])),
+        ("the error: TVD to the exact target", "TVD", dict(ylim=(0, 1)),
+         curves(lambda m: m["tvd"])),
+        ("attention: uniform but for post-residual", "attention entropy - log s (nats)", dict(ylim=(-0.3, 0.05)),
+         curves(lambda m: [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]))],
+        L, v - 1, ncol=6, overlay=laws)
 
 
 def plot_regimes(rows, cfg, norms, regimes):
     """compare_regimes.png, long.png: TVD against length, one panel per regime, one curve per
-    placement (EMA weights; mean and min-max band over seeds), log scale: 0.003 and 0.3 both
-    show."""
-    fig, axes = new_figure(len(regimes))
-    axes = axes if len(regimes) > 1 else [axes]
-    fig.set_size_inches(max(3.6 * len(regimes), 5.2), 3.9)
-    s, L = list(range(1, cfg.vocab)), cfg.train_len
-    for ax, (t, sch) in zip(axes, regimes):
-        ax.axvspan(0.5, L + 0.5, color="0.9", label="training lengths")
-        for norm in norms:
-            top = dict(lw=2.5, zorder=5) if norm == "post" else dict(lw=1.5, zorder=3)
-            _band(ax, s, [m["tvd"] for m in rows[(norm, t, sch, "ema")]], norm, COLORS[norm],
-                  **top)
-        for r in (2, 4):
-            if r * L <= cfg.vocab - 1:
-                ax.axvline(r * L, color="k", lw=0.6, ls=":")
-        ax.set(xlabel="prefix length s", title=f"{t} targets, {sch} lr", yscale="log",
-               ylim=(1e-4, 1), xlim=(0.5, cfg.vocab - 0.5))
-    axes[0].set_ylabel("TVD to the exact target (log)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center",
-               ncol=len(norms) + 1, fontsize=8)
-    return fig
+    placement (EMA weights), log scale: 0.003 and 0.3 both show."""
+    return plot_panels([(f"{t} targets, {sch} lr", "TVD to the exact target (log)",
+                         dict(yscale="log", ylim=(1e-4, 1)),
+                         {n: (COLORS[n], [m["tvd"] for m in rows[(n, t, sch, "ema")]],
+                              dict(lw=2.5, zorder=5) if n == "post" else dict(lw=1.5, zorder=3))
+                          for n in norms}) for t, sch in regimes],
+                       cfg.train_len, cfg.vocab - 1, ncol=len(norms) + 1)
 
 
-LONG_MODEL = dict(vocab=64, train_len=15, n_embd=128)   # tested to s = 63 = 4.2 x 15
-LONG_NORMS = ("pre", "pre-final", "post")
-LONG_REGIMES = (("sampled", "constant"), ("exact", "cosine"))   # the noisiest, the quietest
-
-
-def compare(base, out, long=False, norms=None, regimes=None, lrs=None, command=""):
+def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
     """python resharpen.py --compare: every placement in every regime, 3 seeds; writes
     compare.md, compare.json and 4 figures. With long=True (--long): LONG_MODEL's larger
-    vocabulary, three placements, two regimes; writes long.md, long.json, long.png.
-    norms, regimes: a subset (then only the regimes figure); lrs: rates to tune over."""
+    vocabulary, three placements, two regimes; writes long.md, long.json, long.png. norms,
+    regimes: a subset (then only the regimes figure); lrs: rates to tune over (tune_rates)."""
     full = norms is None and regimes is None
-    norms, regimes, name = norms or tuple(NORMS), regimes or REGIMES, "compare"
+    name = "long" if long else "compare"
     if long:
-        base, name = replace(base, **LONG_MODEL), "long"
-        norms, regimes = (LONG_NORMS, LONG_REGIMES) if full else (norms, regimes)
+        base = replace(base, **LONG_MODEL)
+    norms = norms or (LONG_NORMS if long else tuple(NORMS))
+    regimes = regimes or (LONG_REGIMES if long else REGIMES)
     device, chosen = pick_device(base.device), None
     if lrs and len(lrs) > 1:
         done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device)
     else:
         base = replace(base, lr=lrs[0]) if lrs else base
         done, wall, workers = run_grid(compare_grid(base, norms, regimes), device)
-    kept = [d for d in done if not chosen or d[0].lr == chosen[
-        (d[0].norm, d[0].targets, d[0].lr_schedule)]]
+    kept = [d for d in done
+            if not chosen or d[0].lr == chosen[(d[0].norm, d[0].targets, d[0].lr_schedule)]]
     rows, L, v = compare_rows(kept), base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
-    extra = [laws_table(rows, v)] if full and not long else []
+    lines = compare_table(summary, L, v, norms)
+    if full and not long:
+        lines += [""] + laws_table(rows, v)
     if chosen:
-        extra.append(rates_table(done, chosen, summary, L))
+        lines += [""] + rates_table(done, chosen, L)
     if base.n_layer > 1:
-        extra.append(layer_entropy_table(rows, base, norms, regimes))
-    table = compare_table(summary, L, v, norms, wall, len(done), workers,
-                          "\n\n".join(extra) or None)
-    print("\n" + table)
-    md = (f"Written by `{command or 'python resharpen.py --' + name}` (v={v}, train lengths "
-          f"1..{L}, width {base.n_embd}, {base.n_layer} layer(s){', MLP' if base.mlp else ''}, "
-          f"{base.steps} steps, batch {base.batch_size}, lr "
-          f"{'tuned' if chosen else base.lr}).\n\n{table}\n") if (chosen or base.n_layer > 1
-          or not full) else (
-          f"Written by `python resharpen.py --{name}` (v={v}, train lengths 1..{L}, width "
-          f"{base.n_embd}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}).\n\n"
-          f"{table}\n")
-    if long or not full:
-        files = {f"{name}.md": md.encode("utf-8"),
-                 ("long.png" if long else "compare_regimes.png"):
-                     figure_bytes(plot_regimes(rows, base, norms, regimes))}
-    else:
-        files = {"compare.md": md.encode("utf-8"),
-                 "compare_regimes.png": figure_bytes(plot_regimes(rows, base, norms, regimes)),
-                 "compare_norms.png": figure_bytes(plot_compare_norms(rows, base)),
-                 "compare_dispersion.png": figure_bytes(plot_compare_dispersion(rows, base)),
-                 "compare_noise.png": figure_bytes(plot_compare_noise(rows, base))}
+        lines += [""] + layer_entropy_table(rows, base, norms, regimes)
+    lines += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
+              f"runs, {wall:.0f} s wall in {workers} worker process(es)."]
+    figures = {("long.png" if long else "compare_regimes.png"):
+               plot_regimes(rows, base, norms, regimes)}
+    if full and not long:
+        figures["compare_norms.png"] = plot_compare_norms(rows, base)
     record = {"config": asdict(base), "wall_seconds": round(wall, 1), "summary": summary,
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
     if chosen:
         record["chosen_lr"] = {", ".join(k): lr for k, lr in chosen.items()}
-    written = write_outputs(out, files, f"{name}.json", record)
-    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+    mlp = ", MLP" if base.mlp else ""
+    details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s){mlp}, "
+               f"{base.steps} steps, batch {base.batch_size}, lr "
+               f"{'tuned' if chosen else base.lr}")
+    finish(out, name, "\n".join(lines), command, details, figures, record, wall)
+
 
 # ----------------------------------------------------------------------------- alternatives
 # python resharpen.py --alternatives: would another remedy do as well? (theory.md, Appendix E)
-
-
-class LogLengthAttention(CausalSelfAttention):
-    """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions
-    (itself and every earlier one, BOS included) has its scores multiplied by s_h log(n),
-    with s_h a learned scale per head, initialized to 1:
-        att = softmax(s_h log(n) q k^T / sqrt(head size))
-    At n = 1 the one score becomes 0, which changes nothing: a single key has weight 1."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.log_scale = nn.Parameter(torch.ones(cfg.n_head))   # s_h
-
-    def scores(self, q, k):
-        n = torch.arange(1, q.shape[2] + 1, device=q.device, dtype=q.dtype)   # (T,)
-        return super().scores(q, k) * (self.log_scale[:, None, None] * n.log()[:, None])
-
-
-ATTENTIONS["logn"] = LogLengthAttention
-
 ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
     "pre": {},
     "pre + dropout 0.1": dict(dropout=0.1),
@@ -1242,6 +1078,7 @@ ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
     "pre + log-length scaling": dict(attn_scale="logn"),
     "pre + BOS": dict(bos=True),
     "post": dict(norm="post"),
+    "post + BOS": dict(norm="post", bos=True),
 }
 
 
@@ -1253,84 +1090,61 @@ def alternative_runs(base, changes):
 
 def alternatives_table(named, train_len, v):
     """named: {name: [result of each seed]} -> markdown, raw and EMA weights."""
-    head = ("| remedy | weight average | TVD, training lengths | TVD, extrapolation | "
-            f"TVD at s = {v - 1} | gap x s, min - max over s (mean of seeds) |")
-    out = [head, "|---" * 6 + "|"]
+    rows = []
     for name, results in named.items():
         for avg in ("raw", "ema"):
             sums = [summarize(r[avg], train_len) for r in results]
-            gap_s = [sum(r[avg]["logit_gap"][s - 1] for r in results) / len(results) * s
+            gap_s = [mean([r[avg]["logit_gap"][s - 1] for r in results]) * s
                      for s in range(1, v)]
-            out.append(f"| {name} | {AVERAGE_LABELS[avg]} | "
-                       + " | ".join(mean_sd([x[k] for x in sums])
-                                    for k in ("tvd_train", "tvd_extrap", "tvd_last"))
-                       + f" | {min(gap_s):.2f} - {max(gap_s):.2f} |")
-    return "\n".join(out)
+            rows.append([name, AVERAGE_LABELS[avg]] +
+                        [mean_sd([x[k] for x in sums]) for k in ("tvd_train", "tvd_extrap",
+                                                                 "tvd_last")] +
+                        [f"{min(gap_s):.2f} - {max(gap_s):.2f}"])
+    return md_table(["remedy", "weight average", "TVD, training lengths", "TVD, extrapolation",
+                     f"TVD at s = {v - 1}", "gap x s, min - max over s (mean of seeds)"], rows)
 
 
 def plot_alternatives(named, cfg):
-    """alternatives.png: TVD and gap x s against length per remedy (EMA weights)."""
-    fig, (ax1, ax2) = new_figure(2)
-    fig.set_size_inches(10.4, 4.6)
-    s = list(range(1, cfg.vocab))
+    """alternatives.png: TVD and gap x s against length per remedy (EMA weights). Every other
+    remedy is dashed, so that equal curves stay visible; plain Pre-Norm is wide, underneath."""
     colors = ["tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:gray", "tab:blue",
               "tab:cyan"]
-    for i, ((name, results), color) in enumerate(zip(named.items(), colors)):
-        top = dict(lw=3, zorder=5) if name.startswith("post") else dict(lw=1.5, zorder=3)
-        top["ls"] = ("-", "--")[i % 2]   # dashed every other remedy: equal curves stay visible
-        top["zorder"] += i % 2
-        if name == "pre":                # wide and underneath: the remedies that change
-            top.update(lw=4.5, zorder=1)  # nothing are drawn on top of it
-        _band(ax1, s, [r["ema"]["tvd"] for r in results], name, color, **top)
-        _band(ax2, s, [[g * x for x, g in zip(s, r["ema"]["logit_gap"])] for r in results],
-              None, color, **top)
-    for ax in (ax1, ax2):
-        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", zorder=0)
-        ax.set(xlabel="prefix length s", xlim=(0.5, cfg.vocab - 0.5))
-    ax1.set(ylabel="TVD to the exact target", ylim=(0, 1), title="the error, EMA weights")
-    ax2.set(ylabel="logit gap x s", yscale="log",
-            title="gap x s: flat = the 1/s law of dispersion")
-    fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
-    return fig
+    styles = [dict(lw=4.5, zorder=1) if name == "pre" else
+              dict(lw=3 if name.startswith("post") else 1.5, ls=("-", "--")[i % 2],
+                   zorder=(5 if name.startswith("post") else 3) + i % 2)
+              for i, name in enumerate(named)]
+
+    def curves(f):
+        return {name: (c, [f(r["ema"]) for r in results], style)
+                for (name, results), c, style in zip(named.items(), colors, styles)}
+    return plot_panels([
+        ("the error, EMA weights", "TVD to the exact target", dict(ylim=(0, 1)),
+         curves(lambda m: m["tvd"])),
+        ("gap x s: flat = the 1/s law of dispersion", "logit gap x s", dict(yscale="log"),
+         curves(lambda m: [g * s for s, g in zip(m["length"], m["logit_gap"])]))],
+        cfg.train_len, cfg.vocab - 1)
 
 
-def alternatives(base, out):
-    """The remedies side by side, 3 seeds each; then Post-Norm with the best of the others,
-    if one beats plain Pre-Norm. Writes alternatives.md, .json and .png."""
-    names = list(ALTERNATIVES)
-    runs = [cfg for name in names for cfg in alternative_runs(base, ALTERNATIVES[name])]
+def alternatives(base, out, command):
+    """The remedies side by side, 3 seeds each. Writes alternatives.md, .json and .png."""
+    runs = [cfg for changes in ALTERNATIVES.values() for cfg in alternative_runs(base, changes)]
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
     k = COMPARE_SEEDS   # run_grid returns the runs in grid order: k seeds per remedy
-    named = {name: [r for _, r, _ in done[i * k:(i + 1) * k]] for i, name in enumerate(names)}
-    extrap = {n: sum(summarize(r["ema"], base.train_len)["tvd_extrap"] for r in rs) / len(rs)
-              for n, rs in named.items()}
-    best = min((n for n in names if n not in ("pre", "post")), key=extrap.get)
-    note = "No other remedy beat plain Pre-Norm beyond the training lengths (EMA weights)."
-    if extrap[best] < extrap["pre"] - 0.005:   # helps: lower by more than rounding
-        name = "post + " + best.split(" + ", 1)[1]
-        changes = {**ALTERNATIVES[best], "norm": "post"}
-        more, wall2, _ = run_grid(alternative_runs(base, changes), pick_device(base.device),
-                                  averages=("ema",))
-        named[name], wall = [r for _, r, _ in more], wall + wall2
-        done += more
-        note = f"The best of the others on Pre-Norm was '{best}'; '{name}' adds it to Post-Norm."
-    table = alternatives_table(named, base.train_len, base.vocab)
-    md = (f"Written by `python resharpen.py --alternatives` (v={base.vocab}, train lengths "
-          f"1..{base.train_len}, {base.steps} steps, batch {base.batch_size}, lr {base.lr}, "
-          f"sampled targets, constant learning rate).\n\n{table}\n\n{note} Mean +- standard "
-          f"deviation over {COMPARE_SEEDS} seeds. {len(done)} training runs, {wall:.0f} s wall "
-          f"in {workers} worker process(es).\n")
-    print("\n" + md)
-    files = {"alternatives.md": md.encode("utf-8"),
-             "alternatives.png": figure_bytes(plot_alternatives(named, base))}
+    named = {name: [r for _, r, _ in done[i * k:(i + 1) * k]]
+             for i, name in enumerate(ALTERNATIVES)}
+    text = "\n".join(alternatives_table(named, base.train_len, base.vocab)) + (
+        f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training runs, "
+        f"{wall:.0f} s wall in {workers} worker process(es).")
+    details = (f"v={base.vocab}, train lengths 1..{base.train_len}, {base.steps} steps, batch "
+               f"{base.batch_size}, lr {base.lr}, sampled targets, constant learning rate")
     record = {"config": asdict(base), "wall_seconds": round(wall, 1),
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
-    written = write_outputs(out, files, "alternatives.json", record)
-    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+    finish(out, "alternatives", text, command, details,
+           {"alternatives.png": plot_alternatives(named, base)}, record, wall)
+
 
 # ----------------------------------------------------------------------------- search
 # python resharpen.py --search N: is the effect a property of the method or of the defaults?
-
 SEARCH_N = 40            # the pre-registered size of the committed search (theory.md, App. F)
 SEARCH_DEFAULT = 4       # a reader's quick version: 12 runs, a few minutes on 2 cores
 SEARCH_ARMS = ("pre", "pre-final", "post")   # trained from the same seed: paired
@@ -1339,12 +1153,12 @@ SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subg
 
 def search_configs(n, seed, lrs=None):
     """n random configurations, each trained three times from the same seed, once per arm.
-    With lrs (the tuned search): arms pre-final and post, each at every rate of lrs, drawn in
-    the corner most favourable to post: batch 192..256, 4000..8000 steps.
     Ranges: vocabulary 16..64; longest training length v/4 .. (v-1)/2 (so that 2 L is a test
     length); 1..4 heads; width the smallest multiple of the heads >= 2v - 2 (theory.md,
     Appendix A); lr log-uniform 3e-4..1e-2; batch log-uniform 64..256; 1000..4000 steps;
-    sampled targets, constant learning rate, no dropout."""
+    sampled targets, constant learning rate, no dropout. With lrs (the tuned search): arms
+    pre-final and post, each at every rate of lrs, drawn in the corner most favourable to
+    post: batch 192..256, 4000..8000 steps."""
     g = random.Random(seed)
     configs = []
     for i in range(n):
@@ -1435,8 +1249,8 @@ def search_pairs(configs, results, rival, avg):
 
 
 def search_stats(pairs):
-    """Win rate of post (log ratio > 0) with its interval, sign and Wilcoxon tests, median
-    ratio with its bootstrap interval."""
+    """Win rate of post (log ratio > 0) with its interval, sign test (ties dropped, as in the
+    Wilcoxon test) and Wilcoxon test, median ratio with its bootstrap interval."""
     logs = [x for x, _ in pairs]
     n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
     if n == 0:
@@ -1461,7 +1275,7 @@ def search_summary(configs, results):
 
 def search_losses(configs, results):
     """Where post loses the primary endpoint: for each drawn setting, post's win rate in the
-    configurations below and above its median."""
+    configurations below and above its median (exploratory: six splits, none corrected)."""
     logs = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")]
     settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
                 "heads": lambda c: c.n_head, "lr": lambda c: c.lr,
@@ -1472,9 +1286,9 @@ def search_losses(configs, results):
         cut = statistics.median(xs)
         low = [x > 0 for x, c in zip(logs, xs) if c <= cut]
         high = [x > 0 for x, c in zip(logs, xs) if c > cut]
-        rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"
-        rows.append(f"| {name} | {cut:.3g} | {rate(low)} | {rate(high)} |")
-    return ["| setting | median | post wins, at or below | above |", "|---" * 4 + "|"] + rows
+        rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"  # noqa: E731
+        rows.append([name, f"{cut:.3g}", rate(low), rate(high)])
+    return md_table(["setting", "median", "post wins, at or below", "above"], rows)
 
 
 def plot_search(configs, results):
@@ -1482,7 +1296,7 @@ def plot_search(configs, results):
     import matplotlib.ticker
     rivals = [a for a in ("pre-final", "pre") if a in {c.norm for c in configs[0]}]
     fig, axes = new_figure(len(rivals))
-    for ax, rival in zip(axes if len(rivals) > 1 else [axes], rivals):
+    for ax, rival in zip(axes, rivals):
         for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
                            ("raw", dict(color="0.5", mfc="none", label="raw weights"))):
             pairs = search_pairs(configs, results, rival, avg)
@@ -1502,66 +1316,66 @@ def plot_search(configs, results):
     return fig
 
 
-def search(base, out, n, lrs=None, command=""):
+def search_text(configs, results, n, lrs):
+    """search.md's body: the primary endpoint, every endpoint, the splits, every configuration."""
+    h = search_summary(configs, results)
+    p = h["pre-final"]["ema"]["all"]
+    fmt = lambda st: ("no configuration" if st["n"] == 0 else  # noqa: E731
+                      f"{st['post_wins']} of {st['n']} ({st['win_rate_95'][0]:.2f} - "
+                      f"{st['win_rate_95'][1]:.2f}) | {st['sign_p']:.3g} | "
+                      f"{st['wilcoxon_p']:.3g} | {st['median_ratio']:.2f} "
+                      f"({st['median_ratio_95'][0]:.2f} - {st['median_ratio_95'][1]:.2f})")
+    lines = md_table(["rival", "weights", "configurations", "post wins (95 % interval)",
+                      "sign test p", "Wilcoxon p", "median ratio rival / post (95 % bootstrap)"],
+                     [[f"`{rival}`", AVERAGE_LABELS[avg], group, fmt(st)]
+                      for rival in h for avg in ("ema", "raw")
+                      for group, st in h[rival][avg].items() if st["n"]])
+    tvd = lambda c, s: results[astuple(c)]["ema"]["tvd"][s - 1]  # noqa: E731
+    train = lambda c: summarize(results[astuple(c)]["ema"], c.train_len)["tvd_train"]  # noqa
+    arms = list(search_arms(configs[0], results))
+    rows = []
+    for i, runs in enumerate(configs):
+        best = search_arms(runs, results)
+        c, L = best["post"][0], runs[0].train_len
+        cells = [f"{train(r):.3f}, {tvd(r, 2 * L):.3f}" + (f" (lr {r.lr:g})" if lrs else "")
+                 for r, _ in best.values()]
+        win = tvd(best["pre-final"][0], 2 * L) > tvd(c, 2 * L)
+        rows.append([i, c.vocab, L, c.n_head, c.n_embd, "tuned" if lrs else f"{c.lr:.2g}",
+                     c.batch_size, c.steps, *cells, "yes" if win else "no"])
+    configurations = md_table(["#", "v", "L", "heads", "width", "lr", "batch", "steps"] +
+                              [f"{a}: train, 2 L" for a in arms] + ["post beats pre-final"], rows)
+    return h, (
+        f"Primary endpoint (EMA {COMPARE_EMA} weights, all {n} configurations): the TVD at "
+        f"twice the longest training length was lower with `post` than with `pre-final` in "
+        f"{fmt(p).split(' |')[0]}; two-sided sign test p = {p['sign_p']:.3g}, Wilcoxon "
+        f"p = {p['wilcoxon_p']:.3g}; median ratio pre-final / post "
+        f"{p['median_ratio']:.2f} (95 % bootstrap interval {p['median_ratio_95'][0]:.2f} - "
+        f"{p['median_ratio_95'][1]:.2f}).\n\n"
+        "### Every endpoint, overall and by training TVD\n\n" + "\n".join(lines) +
+        "\n\n### Where post loses to pre-final (primary endpoint, split at each setting's "
+        "median)\n\n" + "\n".join(search_losses(configs, results)) +
+        "\n\n### Every configuration (EMA weights)\n\n" + "\n".join(configurations))
+
+
+def search(base, out, n, command, lrs=None):
     """python resharpen.py --search N: N random configurations, one run per arm each (with
     lrs: one per arm and rate, each arm at its best rate)."""
     configs = search_configs(n, base.seed, lrs)
     runs = [cfg for group in configs for cfg in group]
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
     results = {astuple(c): r for c, r, _ in done}
-    h = search_summary(configs, results)
-    p = h["pre-final"]["ema"]["all"]
-    fmt = lambda st: ("no configuration" if st["n"] == 0 else
-                      f"{st['post_wins']} of {st['n']} ({st['win_rate_95'][0]:.2f} - "
-                      f"{st['win_rate_95'][1]:.2f}) | {st['sign_p']:.3g} | "
-                      f"{st['wilcoxon_p']:.3g} | {st['median_ratio']:.2f} "
-                      f"({st['median_ratio_95'][0]:.2f} - {st['median_ratio_95'][1]:.2f})")
-    lines = ["| rival | weights | configurations | post wins (95 % interval) | sign test p | "
-             "Wilcoxon p | median ratio rival / post (95 % bootstrap) |", "|---" * 7 + "|"]
-    for rival in h:
-        for avg in ("ema", "raw"):
-            for group, st in h[rival][avg].items():
-                if st["n"]:
-                    lines.append(f"| `{rival}` | {AVERAGE_LABELS[avg]} | {group} | {fmt(st)} |")
-    tvd = lambda c, avg, s: results[astuple(c)][avg]["tvd"][s - 1]
-    train = lambda c, avg: summarize(results[astuple(c)][avg], c.train_len)["tvd_train"]
-    arms = list(search_arms(configs[0], results))
-    rows = ["| # | v | L | heads | width | lr | batch | steps | " +
-            " | ".join(f"{a}: train, 2 L" for a in arms) + " | post beats pre-final |",
-            "|---" * (9 + len(arms)) + "|"]
-    for i, runs in enumerate(configs):
-        best = search_arms(runs, results)
-        c, L = best["post"][0], runs[0].train_len
-        cells = " | ".join(f"{train(r, 'ema'):.3f}, {tvd(r, 'ema', 2 * L):.3f}" +
-                           (f" (lr {r.lr:g})" if lrs else "") for r, _ in best.values())
-        win = tvd(best["pre-final"][0], "ema", 2 * L) > tvd(c, "ema", 2 * L)
-        rows.append(f"| {i} | {c.vocab} | {L} | {c.n_head} | {c.n_embd} | "
-                    f"{'tuned' if lrs else format(c.lr, '.2g')} | "
-                    f"{c.batch_size} | {c.steps} | {cells} | {'yes' if win else 'no'} |")
-    text = (f"Written by `{command or 'python resharpen.py --search ' + str(n)}` (seed {base.seed}; ranges in "
-            "`search_configs`; protocol in theory.md, Appendix F).\n\n"
-            f"Primary endpoint (EMA {COMPARE_EMA} weights, all {n} configurations): the TVD at "
-            f"twice the longest training length was lower with `post` than with `pre-final` in "
-            f"{fmt(p).split(' |')[0]}; two-sided sign test p = {p['sign_p']:.3g}, Wilcoxon "
-            f"p = {p['wilcoxon_p']:.3g}; median ratio pre-final / post "
-            f"{p['median_ratio']:.2f} (95 % bootstrap interval {p['median_ratio_95'][0]:.2f} - "
-            f"{p['median_ratio_95'][1]:.2f}).\n\n"
-            "### Every endpoint, overall and by training TVD\n\n" + "\n".join(lines) +
-            "\n\n### Where post loses to pre-final (primary endpoint, split at each setting's "
-            "median)\n\n" + "\n".join(search_losses(configs, results)) +
-            "\n\n### Every configuration (EMA weights)\n\n" + "\n".join(rows) +
-            f"\n\n{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es).\n")
-    print("\n" + text)
-    files = {"search.md": text.encode("utf-8"),
-             "search.png": figure_bytes(plot_search(configs, results))}
-    record = {"summary": h, "wall_seconds": round(wall, 1),
+    summary, text = search_text(configs, results, n, lrs)
+    text += f"\n\n{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."
+    record = {"summary": summary, "wall_seconds": round(wall, 1),
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
-    written = write_outputs(out, files, "search.json", record)
-    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+    details = (f"seed {base.seed}; ranges in `search_configs`; protocol in theory.md, "
+               "Appendix F")
+    finish(out, "search", text, command, details, {"search.png": plot_search(configs, results)},
+           record, wall)
+
 
 # ----------------------------------------------------------------------------- language suite
 # python resharpen.py --suite: do the remedies carry over? (README, "Formal languages")
-
 SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffle", brackets=2))
 # Counting and matching brackets need more than a bag of tokens: two layers (the second
 # reads what the first computed at every position), an MLP to read counts, and a BOS
@@ -1570,8 +1384,6 @@ SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffl
 SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True,
                    dropout=0.0, steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant",
                    targets="sampled")
-
-
 SUITE_NORMS = ("pre", "pre-final", "post")
 SUITE_SEEDS = 5
 T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
@@ -1588,15 +1400,14 @@ def suite_grid(base, **overrides):
 
 def mean_interval(xs):
     """Mean of paired differences and its 95 % t interval (the seeds are the pairs)."""
-    n, mean = len(xs), sum(xs) / len(xs)
-    half = T95[n] * math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
-    return mean, mean - half, mean + half
+    n, m = len(xs), mean(xs)
+    half = T95[n] * math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
+    return m, m - half, m + half
 
 
 def suite_pairs(done, L):
     """Per language, rival - post in mean extrapolation TVD (EMA weights), paired by seed."""
-    out = ["| language | difference (EMA weights, extrapolation TVD) | per seed | mean (95 % t "
-           "interval) | distinguishable from seed noise |", "|---" * 5 + "|"]
+    rows = []
     for lang in SUITE_LANGUAGES:
         ext = {c.norm: {} for c, _, _ in done}
         for c, r, _ in done:
@@ -1605,17 +1416,15 @@ def suite_pairs(done, L):
         name = make_task(language_config(**lang)).name
         for rival in (n for n in SUITE_NORMS if n != "post"):
             d = [ext[rival][k] - ext["post"][k] for k in sorted(ext["post"])]
-            mean, lo, hi = mean_interval(d)
-            out.append(f"| {name} | `{rival}` - `post` | " + ", ".join(f"{x:+.3f}" for x in d)
-                       + f" | {mean:+.4f} ({lo:+.4f} to {hi:+.4f}) | "
-                       + ("no" if lo <= 0 <= hi else "yes") + " |")
-    return out
+            m, lo, hi = mean_interval(d)
+            rows.append([name, f"`{rival}` - `post`", ", ".join(f"{x:+.3f}" for x in d),
+                         f"{m:+.4f} ({lo:+.4f} to {hi:+.4f})", "no" if lo <= 0 <= hi else "yes"])
+    return md_table(["language", "difference (EMA weights, extrapolation TVD)", "per seed",
+                     "mean (95 % t interval)", "distinguishable from seed noise"], rows)
 
 
 def suite_table(done, wall, workers):
-    head = ("| language | norm | weight average | TVD, training lengths | TVD, extrapolation "
-            "| TVD at the longest length | invalid mass, extrapolation |")
-    out, L = [head, "|---" * 7 + "|"], done[0][0].train_len
+    L, rows = done[0][0].train_len, []
     for lang in SUITE_LANGUAGES:
         for norm in SUITE_NORMS:
             runs = [(c, r) for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
@@ -1623,11 +1432,13 @@ def suite_table(done, wall, workers):
             for avg in ("raw", "ema"):
                 ms = [r[avg] for _, r in runs]
                 sums = [summarize(m, L) for m in ms]
-                inv = [sum(m["invalid_mass"][L:]) / len(m["invalid_mass"][L:]) for m in ms]
-                out.append(f"| {name} | `{norm}` | {AVERAGE_LABELS[avg]} | "
-                           f"{mean_sd([s['tvd_train'] for s in sums])} | "
-                           f"{mean_sd([s['tvd_extrap'] for s in sums])} | "
-                           f"{mean_sd([s['tvd_last'] for s in sums])} | {mean_sd(inv)} |")
+                inv = [mean(m["invalid_mass"][L:]) for m in ms]
+                rows.append([name, f"`{norm}`", AVERAGE_LABELS[avg]] +
+                            [mean_sd([s[k] for s in sums])
+                             for k in ("tvd_train", "tvd_extrap", "tvd_last")] + [mean_sd(inv)])
+    out = md_table(["language", "norm", "weight average", "TVD, training lengths",
+                    "TVD, extrapolation", "TVD at the longest length",
+                    "invalid mass, extrapolation"], rows)
     out += ["", f"Mean +- standard deviation over {SUITE_SEEDS} seeds.", "",
             "### Paired by seed: each placement minus `post` (positive: `post` is lower)", ""]
     out += suite_pairs(done, L)
@@ -1636,43 +1447,29 @@ def suite_table(done, wall, workers):
 
 
 def plot_suite(done):
-    """suite.png: TVD against position per language, Pre-Norm and Post-Norm, raw and EMA."""
-    fig, axes = new_figure(len(SUITE_LANGUAGES))
-    for ax, lang in zip(axes, SUITE_LANGUAGES):
-        cfg = next(c for c, _, _ in done if c.task == lang["task"])
-        ax.axvspan(0.5, cfg.train_len + 0.5, color="0.9", label="training lengths")
-        for norm in SUITE_NORMS:
-            runs = [r for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
-            xs = runs[0]["raw"]["length"]
-            ax.plot(xs, [sum(c) / len(c) for c in zip(*[r["raw"]["tvd"] for r in runs])],
-                    "--", color=COLORS[norm], lw=1, label=f"{norm}, raw weights")
-            _band(ax, xs, [r["ema"]["tvd"] for r in runs], f"{norm}, EMA {COMPARE_EMA}",
-                  COLORS[norm], zorder=3 + (norm == "post"))
-        ax.set(xlabel="position", ylabel="TVD to the exact next-token distribution",
-               title=make_task(cfg).name, ylim=(0, None))
-        ax.legend(fontsize=7, loc="upper left")
-    return fig
+    """suite.png: TVD against position per language and placement (EMA weights)."""
+    L = done[0][0].train_len
+    runs = lambda lang, norm: [r["ema"]["tvd"] for c, r, _ in done  # noqa: E731
+                               if c.task == lang["task"] and c.norm == norm]
+    return plot_panels([(make_task(language_config(**lang)).name,
+                         "TVD to the exact next-token distribution", dict(xlabel="position"),
+                         {norm: (COLORS[norm], runs(lang, norm), dict(lw=2))
+                          for norm in SUITE_NORMS}) for lang in SUITE_LANGUAGES],
+                       L, 4 * L)
 
 
-def suite(base, out, **overrides):
+def suite(base, out, command, **overrides):
     """python resharpen.py --suite: the languages, then suite.md, suite.json, suite.png."""
     done, wall, workers = run_grid(suite_grid(base, **overrides), pick_device(base.device))
-    table = suite_table(done, wall, workers)
-    print("\n" + table)
     settings = ", ".join(f"{k} {v}" for k, v in {**SUITE_MODEL, **overrides}.items())
-    md = f"Written by `python resharpen.py --suite` ({settings}).\n\n{table}\n"
-    files = {"suite.md": md.encode("utf-8"), "suite.png": figure_bytes(plot_suite(done))}
     record = {"wall_seconds": round(wall, 1),
               "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
-    written = write_outputs(out, files, "suite.json", record)
-    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+    finish(out, "suite", suite_table(done, wall, workers), command, settings,
+           {"suite.png": plot_suite(done)}, record, wall)
+
 
 # ----------------------------------------------------------------------------- theory
 # python resharpen.py --theory: Part 1's hand-built models against their formulas
-
-HAND_BUILT_NORMS = tuple(NORMS)
-
-
 def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
     """theory.md, sections 2 and 4 and Appendix C: unseen minus seen logit at length s for
     hand_built(vocab, norm, gamma). The values' average u_bar = 1_t / s - 1/v has seen-unseen
@@ -1696,38 +1493,11 @@ def predicted_tvd(vocab, s, margin):
     return 1 / (1 + (vocab - s) / s * math.exp(min(margin, 700)))
 
 
-def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
-    """theory.md, Appendix A: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
-    attention, no norm), with B = E U and D = E W_V W_O U of the given widths, to balanced
-    logits at lengths 1 and 2 with m_1 = 2, m_2 = 1: -2 e_x for (x), -(e_x + e_y) for
-    (x, y), each up to a constant. Returns the root-mean-square residual (Adam, cosine
-    decay). It assumes the even split and m_1 = 2 m_2, so it cannot test Step 2 itself."""
-    g = torch.Generator().manual_seed(seed)
-    v, n, h = vocab, n_embd, head_dim
-    init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()
-    E, W_V, W_O, U = init(v, n), init(n, h), init(h, n), init(n, v)
-    eye = torch.eye(v)
-    x, y = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y]).T
-    opt = torch.optim.Adam([E, W_V, W_O, U], lr=0.02)
-    center = lambda f: f - f.mean(-1, keepdim=True)   # logits count only up to a constant
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = 0.01 * (1 + math.cos(math.pi * step / steps))
-        B, D = E @ U, E @ W_V @ W_O @ U
-        length_1 = center(B + D + 2 * eye)                              # input (x)
-        length_2 = center(B[y] + (D[x] + D[y]) / 2 + eye[x] + eye[y])   # input (x, y)
-        loss = torch.cat([length_1, length_2]).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return loss.item() ** 0.5
-
-
 def theory(vocab, train_len, out):
     """The hand-built models against their formulas, each scaled so that its margin at the
     longest training length is 6; writes theory.png."""
     rows = {}
-    for norm in HAND_BUILT_NORMS:
+    for norm in NORMS:
         gamma = 6.0 / predicted_margin(vocab, norm, train_len)
         m = evaluate(hand_built(vocab, norm, gamma), n_perm=200)
         pred_m = [predicted_margin(vocab, norm, s, gamma) for s in m["length"]]
@@ -1743,8 +1513,7 @@ def theory(vocab, train_len, out):
             i = s - 1
             print(f"{s:>4} {pred_m[i]:16.5f} {m['logit_gap'][i]:10.5f} {pred_tvd[i]:14.3e} "
                   f"{m['tvd'][i]:10.3e}")
-    fig, (ax1, ax2) = new_figure(2)
-    fig.set_size_inches(10.4, 4.4)
+    fig, (ax1, ax2) = new_figure(2, height=4.4)
     for norm, (m, pred_m, pred_tvd) in rows.items():
         c = COLORS[norm]
         ax1.plot(m["length"], pred_m, color=c, lw=1.5, label=f"{norm}: formula")
@@ -1752,505 +1521,323 @@ def theory(vocab, train_len, out):
         ax2.semilogy(m["length"], pred_tvd, color=c, lw=1.5)
         ax2.semilogy(m["length"], [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3)
     for ax in (ax1, ax2):
-        ax.axvspan(0.5, train_len + 0.5, color="0.9")
-        ax.set_xlabel("prefix length s")
+        shade_training(ax, train_len, vocab - 1, label=None)
     ax1.set(ylabel="margin: unseen minus seen logit",
             title="hand-built margins (theory.md 2, 4, App. C)")
     ax2.set(ylabel="TVD (equal to the invalid mass)", title="hand-built TVD", ylim=(1e-9, 1.5))
     fig.legend(*ax1.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     fig.suptitle(f"hand-built models, v = {vocab}: each readout scale gamma chosen so that the "
                  f"margin is 6 at s = {train_len} (the longest training length)", fontsize=10)
-    written = write_outputs(out, {"theory.png": figure_bytes(fig)})
-    print(f"\nwrote {', '.join(written)}")
+    print(f"\nwrote {', '.join(write_outputs(out, {'theory.png': fig}))}")
+
 
 # ----------------------------------------------------------------------------- hand-out
-# python resharpen.py --handout: the exercises for a class, without the answers
+# python resharpen.py --handout: the exercise sheet and a starter file for a class
+def starter_source():
+    """This file with the code of Exercises 1-3 replaced by NotImplementedError: what a
+    student completes. Between '# Exercise N: ...' and '# end of Exercise N' the comments
+    stay and the code goes."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    out, exercise = [], None
+    for line in lines:
+        begin = re.match(r"\s*# Exercise (\d): ", line)
+        if begin and not exercise:
+            exercise, raised = begin.group(1), False
+        elif exercise and line.strip() == f"# end of Exercise {exercise}":
+            exercise = None
+            continue
+        elif exercise and not line.strip().startswith("#"):
+            if not raised:
+                indent = line[:len(line) - len(line.lstrip())]
+                out.append(f'{indent}raise NotImplementedError("Exercise {exercise}: write '
+                           'this part (see exercises.md)")')
+                raised = True
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+GRADE_HEADER = '''"""Graders of Exercises 1-3, copied from resharpen.py's tests by --handout. In this folder:
+    python -m pytest -q grade.py -k write_ema      (or write_post, write_metrics)
+grades starter.py here, or the file RESHARPEN names."""
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REFERENCE = None   # the file graded is starter.py, or RESHARPEN's
+'''
 
 
 def handout(out):
-    """Write the README's Exercises section alone to OUT/exercises.md: no Answers section, no
-    paragraph for the teacher (those start with '*For the teacher'), no links into the README."""
-    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
-    with open(readme, encoding="utf-8") as f:
-        text = f.read()
-    section = text.split("\n## Exercises\n", 1)[1].split("\n## Answers", 1)[0]
+    """OUT/exercises.md: the README's Exercises section without the teacher's notes (the
+    paragraphs that start with '*For the teacher') and links; OUT/starter.py: the file the
+    students complete; OUT/grade.py: the graders, from test_resharpen.py."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("\n## Exercises\n", 1)[1].split("\n## Answers", 1)[0]
     kept = [p for p in section.split("\n\n") if not p.lstrip().startswith("*For the teacher")]
-    body = "\n\n".join(kept).strip()
-    body = re.sub(r"\[([^\]]+)\]\(#[^)]*\)", r"\1", body)   # [text](#anchor) -> text
-    md = f"# Exercises: Post-Norm can Resharpen Attention (resharpen.py)\n\n{body}\n"
-    written = write_outputs(out, {"exercises.md": md.encode("utf-8")})
-    print(f"wrote {', '.join(written)}: the exercises without the answers")
+    body = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", "\n\n".join(kept).strip())   # no links
+    with open(os.path.join(here, "test_resharpen.py"), encoding="utf-8") as f:
+        tests = f.read()
+    graders = tests[tests.index("# ---- graders"):tests.index("# end of the graders")]
+    written = write_outputs(out, {
+        "exercises.md": f"# Exercises: Post-Norm can Resharpen Attention\n\n{body}\n",
+        "starter.py": starter_source(), "grade.py": GRADE_HEADER + "\n\n" + graders})
+    print(f"wrote {', '.join(written)}: the exercises without the answers, the starter file "
+          "and its graders")
+
 
 # ----------------------------------------------------------------------------- command line
-
-LIMITS = {"vocab": 1024, "train_len": 1024, "brackets": 16, "max_depth": 64, "n_layer": 16,
-          "n_head": 64, "n_embd": 2048, "batch_size": 8192, "steps": 10**7}
-LANGUAGE_TRAIN_LEN = 256          # a language is evaluated on 4 x train_len positions
-MEMORY_LIMIT = 8 * 2**30          # bytes a run may hold at its peak (run_memory's estimate)
-CPU_FLOPS = 2e10                  # float32 operations a second, a laptop CPU, for run_seconds
-THEORY_VOCAB = 256                # --theory's float64 models of width 2v: a minute at most
-SEED_LIMIT = 2**32 - COMPARE_SEEDS   # seeds are 0 .. this; the grids use seed .. seed + 2
-
-
-def eval_len(cfg):
-    """Positions evaluate() runs, as the task's own evaluation inputs say (BOS included)."""
-    return make_task(cfg).eval_inputs(1).shape[1] + cfg.bos
-
-
-def parameter_count(cfg):
-    C = cfg.n_embd
-    return cfg.n_layer * (4 + 8 * cfg.mlp) * C * C + (2 * cfg.vocab + cfg.bos) * C
-
-
-def run_memory(cfg):
-    """A generous estimate, in bytes, of a run's peak: the interpreter and libraries (512
-    MiB), 12 float32 copies of the weights (weights, gradients, Adam's two moments, up to
-    three for an average, the averaged copy that is evaluated, a checkpoint's bytes), one
-    training step's activations and attention weights with their gradients, and one chunk
-    of the evaluation (about 32 bytes per number: float32 and float64 copies)."""
-    T = cfg.train_len + cfg.bos
-    per_layer = 4 * cfg.n_head * T + 16 * cfg.n_embd * (1 + 2 * cfg.mlp)
-    step = 4 * cfg.batch_size * T * (cfg.n_layer * per_layer + 4 * cfg.vocab)
-    chunk = 32 * max(EVAL_CHUNK, numbers_per_input(cfg, eval_len(cfg)))
-    return 2**29 + 48 * parameter_count(cfg) + step + chunk
-
-
-def run_seconds(cfg):
-    """A rough estimate of (seconds per training step, seconds in all) on a CPU: matrix
-    products only, forward and backward, at CPU_FLOPS."""
-    T, n = cfg.train_len + cfg.bos, eval_len(cfg)
-    matmul = cfg.n_layer * (4 + 8 * cfg.mlp) * cfg.n_embd**2 + cfg.vocab * cfg.n_embd
-    attn = lambda t: 4 * t * t * cfg.n_embd * cfg.n_layer
-    step = 3 * cfg.batch_size * (2 * T * matmul + attn(T)) / CPU_FLOPS
-    evaluation = 3 * EVAL_PERMS * (2 * n * matmul + attn(n)) / CPU_FLOPS   # raw + 2 averages
-    return step, cfg.steps * step + evaluation
-
-
-def planned_runs(args, cfg, given):
-    """Every configuration the command will train, so that each is checked before the first."""
-    if args.theory or args.handout:
-        return []
-    if args.compare or args.long:
-        base = replace(cfg, **LONG_MODEL) if args.long else cfg
-        return compare_grid(base, *((LONG_NORMS, LONG_REGIMES) if args.long else ()))
-    if args.suite:
-        return suite_grid(cfg, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
-    if args.alternatives:   # the second stage adds a remedy to post: the same sizes
-        return [c for ch in ALTERNATIVES.values() for c in alternative_runs(cfg, ch)]
-    if args.search is not None:
-        return [c for group in search_configs(args.search, cfg.seed) for c in group]
-    return [cfg]
-
-
-NAME_MAX = 255 - 24   # a file's temporary name is its own plus up to 24 characters
-
-
-def path_problem(path, folder):
-    """Why path could not be written as a folder (folder=True) or a file, or None. Nothing
-    is created or changed."""
-    if not path:
-        return "is empty"
-    for part in os.path.abspath(path).split(os.sep):
-        if len(os.fsencode(part)) > NAME_MAX:
-            return f"has a name longer than {NAME_MAX} bytes"
-    p = os.path.abspath(path)
-    while not os.path.lexists(p):
-        p = os.path.dirname(p)
-    if os.path.islink(p) and not os.path.exists(p):
-        return f"{p} is a broken or looping symbolic link"
-    if p == os.path.abspath(path):          # it exists
-        if folder and not os.path.isdir(p):
-            return "is not a folder"
-        if not folder and os.path.isdir(p):
-            return "is a folder; give a file name, such as runs/model.pt"
-        p = p if folder else os.path.dirname(p)
-    if not os.path.isdir(p):
-        return f"{p} is not a folder"
-    if not os.access(p, os.R_OK | os.W_OK | os.X_OK):
-        return f"the folder {p} cannot be read and written"
-    return None
-
-
-MODE_FILES = {"theory": ["theory.png"], "handout": ["exercises.md"],
-              "compare": ["compare.md", "compare.json", "compare_regimes.png",
-                          "compare_norms.png", "compare_dispersion.png", "compare_noise.png"],
-              "long": ["long.md", "long.json", "long.png"],
-              "suite": ["suite.md", "suite.json", "suite.png"],
-              "alternatives": ["alternatives.md", "alternatives.json", "alternatives.png"],
-              "search": ["search.md", "search.json", "search.png"]}
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """One line naming what is wrong, exit code 2: no usage dump, no traceback."""
-        message = message.replace("\n", "\\n").replace("\r", "\\r")
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos", "dropout",
+               "attn_scale", "steps", "batch_size", "lr"}
+MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
+    "compare": MODEL_FLAGS | {"lrs", "norms", "regimes"},
+    "long": MODEL_FLAGS - set(LONG_MODEL) | {"lrs", "norms", "regimes"},
+    "alternatives": MODEL_FLAGS - {"bos", "dropout", "attn_scale"},
+    "search": {"lrs"},
+    "suite": set(SUITE_MODEL),
+    "theory": {"vocab", "train_len"},
+    "handout": set(),
+}
+LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "brackets": (1, 16), "max_depth": (1, 64),
+          "n_layer": (1, 16), "n_head": (1, 64), "n_embd": (1, 2048), "batch_size": (1, 8192),
+          "steps": (1, 10**7), "seed": (0, 2**32 - SUITE_SEEDS), "search": (1, 100),
+          "lr": (1e-12, 1e6), "ema": (0, 0.999999), "dropout": (0, 0.99)}
+MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_memory)
 
 
 def rates(text):
+    """--lrs: learning rates separated by commas, each in (0, 1]."""
     xs = [float(x) for x in text.split(",")]
-    if not all(0 < x < 1 for x in xs):
+    if not all(0 < x <= 1 for x in xs):
         raise ValueError(text)
     return xs
 
 
-def norm_list(text):
-    xs = tuple(text.split(","))
-    if not set(xs) <= set(NORMS) or len(set(xs)) < len(xs):
-        raise argparse.ArgumentTypeError(f"each of {', '.join(NORMS)} at most once, got {text}")
-    return xs
+def choice_list(allowed):
+    """An argparse type: a comma-separated list of distinct items of allowed."""
+    def parse(text):
+        xs = tuple(tuple(x.split("/")) if "/" in x else x for x in text.split(","))
+        if not set(xs) <= set(allowed) or len(set(xs)) < len(xs):
+            names = ", ".join("/".join(a) if isinstance(a, tuple) else a for a in allowed)
+            raise argparse.ArgumentTypeError(f"each of {names} at most once, got {text}")
+        return xs
+    return parse
 
 
-def regime_list(text):
-    xs = tuple(tuple(x.split("/")) for x in text.split(","))
-    if not set(xs) <= set(REGIMES) or len(set(xs)) < len(xs):
-        raise argparse.ArgumentTypeError(
-            f"each of {', '.join('/'.join(r) for r in REGIMES)} at most once, got {text}")
-    return xs
+FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); every default None
+    ("--task", ["complement", "dyck", "shuffle"], "Set Complement, or a formal language"),
+    ("--vocab", int, "vocabulary size v (a language's is 2k + 1)"),
+    ("--train-len", int, "train on prefix lengths 1 .. this"),
+    ("--brackets", int, "k bracket pairs (dyck, shuffle)"),
+    ("--max-depth", int, "D, the deepest nesting (dyck)"),
+    ("--targets", ["sampled", "exact"], "a sampled next token, or the exact distribution"),
+    ("--n-layer", int, "number of blocks"),
+    ("--n-head", int, "attention heads per block, dividing --n-embd"),
+    ("--n-embd", int, "width of the residual stream"),
+    ("--mlp", bool, "add an MLP to each block (off: attention only)"),
+    ("--bos", bool, "prepend a beginning-of-sequence token to every input"),
+    ("--dropout", float, "dropout on the attention weights and on each block's outputs"),
+    ("--attn-scale", list(ATTENTIONS), "logn: scores times s_h log(n) (Scalable-Softmax)"),
+    ("--steps", int, "optimizer steps"),
+    ("--batch-size", int, "sequences per step"),
+    ("--lr", float, "AdamW learning rate"),
+    ("--lr-schedule", ["constant", "cosine"], "constant, or a cosine decay to zero"),
+    ("--seed", int, "seed of the initialization and the training data"),
+    ("--device", ["auto", "cpu", "cuda", "mps"], "auto: cuda, then mps, then cpu"),
+    ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
+    ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
+    ("--lrs", rates, "--compare, --long, --search: train each placement at every rate "
+     "LR,LR,...; each keeps the one with the lowest training-length TVD (EMA weights) on the "
+     "first seed"),
+    ("--norms", choice_list(tuple(NORMS)), "--compare, --long: only these placements"),
+    ("--regimes", choice_list(REGIMES), "--compare, --long: only these regimes, such as "
+     "sampled/constant,exact/cosine"),
+]
+MODES = [   # (flag, help); at most one
+    ("--compare", f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
+    ("--long", "the longer extrapolation: " + ", ".join(f"{k} {v}" for k, v in LONG_MODEL.items())),
+    ("--alternatives", "Pre-Norm with dropout, log-length scaling or BOS, against Post-Norm"),
+    ("--suite", f"the formal languages, {SUITE_SEEDS} seeds, own settings (its flags override)"),
+    ("--theory", "theory.md's hand-built models against their formulas"),
+    ("--handout", "a class's exercise sheet and starter file"),
+]
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line naming the flag, exit status 2: no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser():
-    d = Config()
-    p = Parser(prog="resharpen.py", formatter_class=HelpFormatter, allow_abbrev=False,
-               description="Train a tiny transformer on short inputs of the Set Complement "
-                           "task (or a formal language),\nevaluate it at every length, print "
-                           "a table, write figures and metrics.json.",
-               epilog="where the LayerNorm sits (--norm):\n" +
-               "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()) +
-               "\n\nsizes accepted (larger ones are refused before training):\n  " +
-               ", ".join(f"--{k.replace('_', '-')} <= {v}" for k, v in list(LIMITS.items())[:5])
-               + ",\n  " + ", ".join(f"--{k.replace('_', '-')} <= {v}"
-                                      for k, v in list(LIMITS.items())[5:]) +
-               f",\n  --train-len <= {LANGUAGE_TRAIN_LEN} for a language; and a run whose "
-               f"estimated peak memory is over {MEMORY_LIMIT // 2**30} GiB is refused\n\n"
-               "threads: torch uses one per core. On Linux, idle threads spin only briefly "
-               "(GOMP_SPINCOUNT=1000),\nso that two runs at once share the cores well; set "
-               "OMP_NUM_THREADS=1 (or GOMP_SPINCOUNT) to override.")
-    a = p.add_argument
-    a("--task", choices=["complement", "dyck", "shuffle"], default=d.task,
-      help="Set Complement, or a formal language: Dyck-(k, D) or Shuffle-k")
-    a("--vocab", type=int, default=d.vocab,
-      help="vocabulary size v, 3 or more (Set Complement; a language has 2k + 1)")
-    a("--train-len", type=int, default=d.train_len,
-      help="train on prefix lengths 1 .. this (at most v - 1)")
-    a("--brackets", type=int, default=d.brackets, help="k bracket pairs (dyck, shuffle)")
-    a("--max-depth", type=int, default=d.max_depth, help="D, the deepest nesting (dyck)")
-    a("--targets", choices=["sampled", "exact"], default=d.targets,
-      help="train on one sampled next token per position, or on the exact distribution")
-    a("--norm", choices=list(NORMS), default=d.norm, help="where the LayerNorm sits (below)")
-    a("--post-norm", action="store_const", dest="norm", const="post", default=argparse.SUPPRESS,
-      help="shorthand for --norm post: x + LN(Attn(x))")
-    a("--n-layer", type=int, default=d.n_layer, help="number of blocks")
-    a("--n-head", type=int, default=d.n_head, help="attention heads per block")
-    a("--n-embd", type=int, default=d.n_embd, help="width of the residual stream")
-    a("--mlp", action="store_true", help="add an MLP to each block (off: attention only)")
-    a("--bos", action="store_true", help="prepend a beginning-of-sequence token to every input")
-    a("--dropout", type=float, default=d.dropout,
-      help="dropout probability, on the attention weights and on each block's outputs")
-    a("--attn-scale", choices=list(ATTENTIONS), default=d.attn_scale,
-      help="logn: multiply a query's scores by s_h log(n), n the positions it sees (BOS "
-           "included), s_h learned per head (Scalable-Softmax)")
-    a("--steps", type=int, default=d.steps, help="optimizer steps")
-    a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
-    a("--lr", type=float, default=d.lr, help="AdamW learning rate")
-    a("--lr-schedule", choices=["constant", "cosine"], default=d.lr_schedule,
-      help="constant, or a cosine decay to zero over --steps")
-    a("--ema", type=float, default=d.ema, help="EMA decay of the weights, in [0, 1); 0 = off")
-    a("--bema", action="store_true",
-      help="average with BEMA (bias-corrected EMA, kappa 0.5, eta 0.2, rho 10) instead")
-    a("--seed", type=int, default=d.seed,
-      help=f"seed of the initialization and training data, 0 .. {SEED_LIMIT}")
-    a("--device", choices=["auto", "cpu", "cuda", "mps"], default=d.device,
-      help="auto: cuda, then mps, then cpu")
-    a("--out", default="runs", help="folder for the figures and the JSON record (the README's "
-      "figures are regenerated with --out plots)")
-    a("--save", metavar="PATH", help="write a checkpoint (config, raw and EMA weights) here")
-    a("--lrs", type=rates, metavar="LR,LR,...",
-      help="--compare, --long, --search: train each placement at every rate; each keeps the "
-           "rate with the lowest training-length TVD (EMA weights) on the first seed")
-    a("--norms", type=norm_list, metavar="NORM,...",
-      help="--compare, --long: only these placements")
-    a("--regimes", type=regime_list, metavar="TARGETS/SCHEDULE,...",
-      help="--compare, --long: only these regimes, such as sampled/constant,exact/cosine")
-    mode = p.add_mutually_exclusive_group()   # instead of one training run:
-    a = mode.add_argument
-    a("--theory", action="store_true",
-      help="build theory.md's models by hand, compare them with the formulas, write "
-           "theory.png (uses only --vocab, --train-len, --out)")
-    a("--suite", action="store_true",
-      help="run the formal-language suite (Dyck-(2, 4), Shuffle-2; pre and post norm; "
-           f"{COMPARE_SEEDS} seeds from --seed) with its own settings, " +
-           ", ".join(f"{k} {v}" for k, v in SUITE_MODEL.items()) + " (flags given for "
-           "them override them), and write suite.md and suite.png")
-    a("--compare", action="store_true",
-      help="run the comparison grid instead (norms x averaging x targets x schedule, "
-           f"{COMPARE_SEEDS} seeds from --seed) and write compare.md and compare_*.png")
-    a("--long", action="store_true",
-      help="the longer extrapolation: " + ", ".join(f"{k} {v}" for k, v in LONG_MODEL.items())
-      + f", placements {', '.join(LONG_NORMS)}, sampled/constant and exact/cosine, "
-      f"{COMPARE_SEEDS} seeds; write long.md, long.json and long.png")
-    a("--handout", action="store_true",
-      help="write the README's exercises without their answers to OUT/exercises.md, for a class")
-    a("--alternatives", action="store_true",
-      help="Pre-Norm with dropout, log-length scaling or BOS against Post-Norm, "
-           f"{COMPARE_SEEDS} seeds from --seed; write alternatives.md and .png")
-    a("--search", type=int, nargs="?", const=SEARCH_DEFAULT, metavar="N",
-      help=f"paired random search: N configurations (default {SEARCH_DEFAULT}; the committed "
-           f"one has {SEARCH_N}), each trained as pre, pre-final and post from --seed; write "
-           "search.md, search.json and search.png")
+    """Every flag defaults to None, so that check_args sees which were given; Config's
+    defaults (shown in --help) fill the rest."""
+    d = Config(ema=0.0)
+    p = Parser(prog="resharpen.py", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+               description=__doc__.split("\n\n")[1],
+               epilog="where the LayerNorm sits (--norm):\n" + "\n".join(
+                   f"  {k:14s} {v}" for k, v in NORMS.items()))
+    for name, kind, text in FLAGS:
+        default = getattr(d, name[2:].replace("-", "_"), None)
+        text += f" (default {default})" if default is not None and kind is not bool else ""
+        kw = (dict(choices=kind) if isinstance(kind, list) else
+              dict(action="store_true") if kind is bool else dict(type=kind))
+        p.add_argument(name, help=text, default=None, **kw)
+    norm = p.add_mutually_exclusive_group()
+    norm.add_argument("--norm", choices=list(NORMS), help="where the LayerNorm sits, below "
+                      f"(default {d.norm})")
+    norm.add_argument("--post-norm", action="store_const", dest="norm", const="post",
+                      help="shorthand for --norm post: x + LN(Attn(x))")
+    average = p.add_mutually_exclusive_group()
+    average.add_argument("--ema", type=float, help="EMA decay of the weights; 0 = off (default)")
+    average.add_argument("--bema", action="store_true", default=None,
+                         help="average with BEMA (bias-corrected EMA) instead")
+    mode = p.add_mutually_exclusive_group()   # instead of one training run
+    for name, text in MODES:
+        mode.add_argument(name, action="store_true", help=text)
+    mode.add_argument("--search", type=int, nargs="?", const=SEARCH_DEFAULT, metavar="N",
+                      help=f"paired random search, N configurations (default {SEARCH_DEFAULT}; "
+                      f"the committed one: {SEARCH_N})")
     return p
 
 
-def given_flags(parser, argv):
-    """The destinations of the flags that argv names (as opposed to defaults)."""
-    return {action.dest for action in parser._actions for tok in argv
-            for opt in action.option_strings if tok == opt or tok.startswith(opt + "=")}
+def peak_memory(cfg):
+    """A rough upper estimate of one run's peak, in bytes: the libraries (512 MiB); 12 float32
+    copies of the weights (weights, gradients, Adam's moments, averages, a copy to evaluate);
+    a training step's activations and attention weights with their gradients, and its logits
+    (with exact targets, a few (B, T, v) tensors more); an evaluation chunk (32 bytes a number)."""
+    T, C, L = cfg.train_len + cfg.bos, cfg.n_embd, cfg.n_layer
+    params = L * (4 + 8 * cfg.mlp) * C * C + (2 * cfg.vocab + cfg.bos) * C
+    per_token = (L * (4 * cfg.n_head * T + 16 * C * (1 + 2 * cfg.mlp))
+                 + (16 if cfg.targets == "exact" else 4) * cfg.vocab)
+    n = (cfg.vocab - 1 if cfg.task == "complement" else 4 * cfg.train_len) + cfg.bos
+    per_input = n * (cfg.vocab + 4 * C + (n + 1) * cfg.n_head * L)
+    return 2**29 + 48 * params + 16 * cfg.batch_size * T * per_token + 32 * max(EVAL_CHUNK,
+                                                                                per_input)
 
 
-def check_args(args, parser, given, argv=()):
-    """Reject bad input up front, before any training time is spent: everything accepted
-    here runs to the end."""
+def planned_runs(mode, cfg, args, suite_flags):
+    """Every configuration the command will train (grids: one per rate at most)."""
+    if mode in ("compare", "long"):
+        long = mode == "long"
+        return compare_grid(replace(cfg, **LONG_MODEL) if long else cfg,
+                            args.norms or (LONG_NORMS if long else tuple(NORMS)),
+                            args.regimes or (LONG_REGIMES if long else REGIMES))
+    if mode == "suite":
+        return suite_grid(cfg, **suite_flags)
+    if mode == "alternatives":
+        return [c for ch in ALTERNATIVES.values() for c in alternative_runs(cfg, ch)]
+    if mode == "search":
+        return [c for group in search_configs(args.search, cfg.seed, args.lrs) for c in group]
+    return [] if mode in ("theory", "handout") else [cfg]
+
+
+def check_args(args, parser):
+    """Refuse bad input before any training: one line naming the flag, exit status 2.
+    Returns (mode, Config, the model flags given to --suite)."""
     bad = parser.error
-    flags = lambda dests: ", ".join(sorted(f"--{d.replace('_', '-')}" for d in dests))
-    language = args.task != "complement"
-    grid = (args.theory or args.compare or args.long or args.suite or args.alternatives
-            or args.search or args.handout)
-    if args.save is not None and grid:
-        bad("--save: only a single training run writes a checkpoint (not --theory, --compare, "
-            "--long, --suite, --alternatives, --search or --handout)")
-    if "norm" in given and sum(t == "--post-norm" for t in argv) and sum(
-            t == "--norm" or t.startswith("--norm=") for t in argv):
-        bad("--post-norm: it means --norm post; give one of the two")
-    if args.bema and "ema" in given:
-        bad("--bema: it replaces the EMA; give --ema or --bema, not both")
-    fixed = {"norm", "targets", "lr_schedule", "ema", "bema", "dropout", "attn_scale", "bos"}
-    if args.alternatives and given & fixed:
-        bad(f"{flags(given & fixed)}: --alternatives sets it itself")
-    if args.search is not None and given - {"search", "seed", "device", "out", "lrs"}:
-        bad(f"{flags(given - {'search', 'seed', 'device', 'out', 'lrs'})}: --search draws every "
-            "setting itself (it accepts --seed, --device, --out and --lrs)")
-    if not (args.compare or args.long) and given & {"norms", "regimes"}:
-        bad(f"{flags(given & {'norms', 'regimes'})}: only for --compare and --long")
-    if not (args.compare or args.long or args.search) and "lrs" in given:
-        bad("--lrs: only for --compare, --long and --search")
-    if args.search is not None and not 1 <= args.search <= 100:
-        bad(f"--search must be a number of configurations in 1 .. 100, got {args.search}")
-    if args.handout and given - {"handout", "out"}:
-        bad(f"{flags(given - {'handout', 'out'})}: --handout takes only --out")
-    if args.theory and args.vocab > THEORY_VOCAB:
-        bad(f"--vocab {args.vocab}: --theory evaluates float64 models of width 2v, at most "
-            f"--vocab {THEORY_VOCAB}")
-    if args.theory and given - {"theory", "vocab", "train_len", "out"}:
-        bad(f"{flags(given - {'theory', 'vocab', 'train_len', 'out'})}: --theory uses only "
-            "--vocab, --train-len and --out")
-    if (args.compare or args.long) and given & {"norm", "targets", "lr_schedule", "ema", "bema"}:
-        bad(f"{flags(given & {'norm', 'targets', 'lr_schedule', 'ema', 'bema'})}: --compare "
-            "and --long run every norm, target, schedule and average themselves")
-    if args.long and given & set(LONG_MODEL):
-        bad(f"{flags(given & set(LONG_MODEL))}: --long sets it itself ({LONG_MODEL})")
-    if args.suite and given - set(SUITE_MODEL) - {"suite", "seed", "device", "out"}:
-        bad(f"{flags(given - set(SUITE_MODEL) - {'suite', 'seed', 'device', 'out'})}: --suite "
-            "sets it itself (it accepts --seed, --device, --out and SUITE_MODEL's flags)")
-    if (args.compare or args.long or args.theory or args.alternatives or args.search) and language:
-        bad(f"--task {args.task}: --compare, --long, --theory, --alternatives and --search use the "
-            "Set Complement task only")
-    if language and "vocab" in given:
-        bad("--vocab: a language's vocabulary is 2 x --brackets + 1; leave --vocab out")
-    if not language and given & {"brackets", "max_depth"}:
-        bad(f"{flags(given & {'brackets', 'max_depth'})}: only for --task dyck or shuffle")
-    if args.task == "shuffle" and "max_depth" in given:
-        bad("--max-depth: only for --task dyck")
-    for name, top in LIMITS.items():
-        if not 1 <= getattr(args, name) <= top:
-            bad(f"--{name.replace('_', '-')} must be an integer in 1 .. {top}, "
-                f"got {getattr(args, name)}")
-    if not language and args.vocab < 3:
-        bad(f"--vocab must be at least 3, got {args.vocab}")
-    top = args.vocab - 1 if not language else LANGUAGE_TRAIN_LEN
-    if not args.suite and args.train_len > top:
-        bad(f"--train-len must be in 1 .. {top}" + (" (vocab - 1)" if not language else "") +
-            f", got {args.train_len}")
-    if args.compare and 2 * args.train_len > args.vocab - 1:
-        bad(f"--train-len: --compare reports the TVD at twice the training length, so at most "
-            f"(vocab - 1) / 2 = {(args.vocab - 1) // 2}; got {args.train_len}")
-    if args.alternatives and args.train_len > args.vocab - 2:
-        bad(f"--train-len: --compare and --alternatives need lengths beyond training, so at "
-            f"most vocab - 2 = {args.vocab - 2}; got {args.train_len}")
-    if not 0 <= args.ema < 1:
-        bad(f"--ema must be in [0, 1), got {args.ema}")
-    if not 0 <= args.dropout < 1:
-        bad(f"--dropout must be in [0, 1), got {args.dropout}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        bad(f"--lr must be a positive number, got {args.lr}")
-    if not 0 <= args.seed <= SEED_LIMIT:
-        bad(f"--seed must be in 0 .. {SEED_LIMIT}, got {args.seed}")
-    present = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if not present.get(args.device, True):
-        allowed = ", ".join(["auto", "cpu"] + [d for d, ok in present.items() if ok])
-        bad(f"--device {args.device}: no {args.device.upper()} device here; allowed: {allowed}")
-    problem = path_problem(args.out, folder=True)
-    if problem:
-        bad(f"--out {args.out!r}: {problem}")
-    mode = next((m for m in MODE_FILES if getattr(args, m, None) not in (None, False)), None)
-    names = MODE_FILES[mode] if mode else ["metrics.json", "length.png", "loss.png"]
-    for name in names:
-        if os.path.isdir(os.path.join(args.out, name)):
-            bad(f"--out {args.out!r}: {name} there is a folder, and this run writes a file there")
-    if args.save is not None:
-        save, out = args.save, os.path.realpath(args.out)
-        folder = os.path.dirname(os.path.realpath(save)) if save else ""
-        if save.endswith(("/", os.sep)) or os.path.realpath(save) == out:
-            bad(f"--save {save!r}: give a file name, such as runs/model.pt")
-        # The run creates --out, so a checkpoint may go into it even when it is new.
-        problem = path_problem(save, folder=False) if folder != out else None
-        if not problem and folder != out and not os.path.isdir(folder):
-            problem = f"its folder {folder!r} does not exist"
-        if os.path.lexists(save) and not os.path.isfile(save):
-            problem = problem or "exists and is not a regular file"
-        if (out + os.sep).startswith(os.path.realpath(save) + os.sep):
-            problem = problem or "is a folder that --out needs"
-        if problem:
-            bad(f"--save {save!r}: {problem}")
-        if os.path.realpath(save) in {os.path.join(out, f) for f in names}:
-            bad(f"--save {save!r}: that is one of the run's own outputs in --out {args.out!r}")
-    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
+    given = {k for k, v in vars(args).items() if v is not None and v is not False}
+    mode = next((m for m in MODE_FLAGS if m in given), None)
+    extra = given - MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes"}) - {
+        mode, "seed", "device", "out"}
+    if extra:
+        bad(f"{', '.join(sorted('--' + x.replace('_', '-') for x in extra))}: not used by "
+            f"{'--' + mode if mode else 'a single run'} (python resharpen.py --help)")
+    for name, (lo, hi) in LIMITS.items():
+        if getattr(args, name) is not None and not lo <= getattr(args, name) <= hi:
+            bad(f"--{name.replace('_', '-')} must be in {lo:g} .. {hi:g}, got {getattr(args, name)}")
+    language = args.task in ("dyck", "shuffle")
+    if language and "vocab" in given or not language and given & {"brackets", "max_depth"} or (
+            args.task == "shuffle" and "max_depth" in given):
+        bad("--vocab, --brackets, --max-depth: a language's vocabulary is 2 x --brackets + 1; "
+            "--max-depth is Dyck's")
+    if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep))):
+        bad("--save: a file name, such as runs/model.pt, for a single training run")
+    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
+                    if getattr(args, k, None) is not None})
     cfg = language_config(cfg) if language else cfg
-    runs = planned_runs(args, cfg, given)
-    for run in runs:
-        if run.n_embd % run.n_head:
-            bad(f"--n-head {run.n_head}: the width (--n-embd, {run.n_embd} here) must be "
-                "divisible by it")
-        if run.task != "complement" and run.train_len > LANGUAGE_TRAIN_LEN:
-            bad(f"--train-len {run.train_len}: a language trains on at most "
-                f"{LANGUAGE_TRAIN_LEN} positions")
-        if run_memory(run) > MEMORY_LIMIT:
-            bad(f"--batch-size {run.batch_size}: a run would need about "
-                f"{run_memory(run) / 2**30:.0f} GiB at its peak (limit "
-                f"{MEMORY_LIMIT // 2**30} GiB); use a smaller --batch-size, --n-embd, --n-layer, "
-                "--n-head, --train-len or --vocab")
-    if runs and pick_device(args.device) == "cpu":
-        per_step = max(run_seconds(r)[0] for r in runs)
-        total = sum(run_seconds(r)[1] for r in runs) / (usable_cores() if len(runs) > 1 else 1)
-        if per_step > 60 or total > 3600:
-            print(f"resharpen.py: note: a rough estimate for this CPU is {per_step:.0f} s per "
-                  f"step, {total / 3600:.1f} hours in all; Ctrl-C stops it", file=sys.stderr)
+    top = {"compare": (cfg.vocab - 1) // 2, "alternatives": cfg.vocab - 2, "suite": 256}.get(
+        mode, 256 if language else cfg.vocab - 1)
+    if mode not in ("long", "search", "handout") and cfg.train_len > top:
+        bad(f"--train-len must be at most {top} here (--compare tests 2 x --train-len, "
+            f"--alternatives needs a longer length), got {cfg.train_len}")
+    if mode == "theory" and cfg.vocab > 256:
+        bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
+    suite_flags = {k: getattr(args, k) for k in given & set(SUITE_MODEL)}
+    runs = planned_runs(mode, cfg, args, suite_flags)
+    if any(run.n_embd % run.n_head for run in runs):
+        bad(f"--n-head {cfg.n_head} must divide the width, --n-embd {cfg.n_embd}")
+    device = pick_device(cfg.device)
+    if device == "cuda" and not torch.cuda.is_available() or (
+            device == "mps" and not torch.backends.mps.is_available()):
+        bad(f"--device {device}: there is no such device here; use auto or cpu")
+    workers = grid_workers(runs, device) if mode else 1
+    need = workers * max(map(peak_memory, runs), default=0)
+    if need > MEMORY_LIMIT:
+        bad(f"--batch-size {cfg.batch_size}: about {need / 2**30:.0f} GiB at the peak ({workers} "
+            f"run(s) at once; limit {MEMORY_LIMIT // 2**30} GiB): use a smaller --batch-size, "
+            "--n-embd, --n-layer, --n-head, --train-len or --vocab")
+    for flag, path, folder in (("--save", args.save, False), ("--out", args.out or "runs", True)):
+        try:   # created now, so that a path that cannot be written fails before training
+            if path:
+                os.makedirs(path if folder else os.path.dirname(os.path.abspath(path)),
+                            exist_ok=True)
+                probe = os.path.join(path, ".probe") if folder else path + ".probe"
+                open(probe, "wb").close()
+                os.remove(probe)
+        except OSError as e:
+            bad(f"{flag} {path!r}: {e.strerror or e}")
+    return mode, cfg, suite_flags
 
 
 def stop(message, code):
-    message = message.replace("\n", "\\n").replace("\r", "\\r")   # one line, whatever a path holds
     print(f"resharpen.py: {message}", file=sys.stderr)
     sys.exit(code)
 
 
-STOP_SIGNALS = {getattr(signal, name): name for name in ("SIGINT", "SIGTERM", "SIGHUP")
-                if hasattr(signal, name)}
-
-
-def ignore_stop_signals():
-    for sig in STOP_SIGNALS:
-        with contextlib.suppress(OSError, ValueError):   # several signals at once
-            signal.signal(sig, signal.SIG_IGN)
-
-
-def on_stop_signal(signum, frame):
-    """Ctrl-C, SIGTERM (a scheduler, kill) and SIGHUP (a closed terminal) stop the run alike:
-    later signals are ignored while it cleans up; main() prints one line."""
-    ignore_stop_signals()
-    raise Interrupted(signum)
-
-
 def main(argv=None):
-    """The command line. Exit status: 0 done, 1 stopped (NaN, disk, memory), 2 bad input,
-    128 + the signal's number when a signal stopped it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
-    for stream in (sys.stdout, sys.stderr):   # a path no console can encode prints as \xNN
-        if stream is not None and hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, on_stop_signal)
-    try:
-        run_main(argv)
-    except (Interrupted, KeyboardInterrupt) as e:   # also while parsing and checking
-        ignore_stop_signals()                         # exiting: later signals change nothing
-        signum = getattr(e, "signum", signal.SIGINT)
-        name = "Ctrl-C" if signum == signal.SIGINT else STOP_SIGNALS.get(signum, str(signum))
-        written = getattr(e, "written", None)
-        stop(f"interrupted ({name}) while writing; written: {', '.join(written)}; the JSON "
-             "record was not, so that set is incomplete" if written else
-             f"interrupted ({name}); nothing was written", 128 + int(signum))
-    for sig, handler in previous.items():   # called from Python (tests): as it was
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def run_main(argv):
+    """The command line. Exit status: 0 done, 1 stopped (NaN, memory), 2 bad input, 130
+    Ctrl-C."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen; a bad value fails late
+    os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = given_flags(parser, argv)
-    check_args(args, parser, given, argv)
-    shown, skip = [], False   # the command, for the tables: every flag but --out and --device
-    for tok in argv:
-        if skip or tok.split("=")[0] in ("--out", "--device"):
-            skip = not skip and "=" not in tok
-            continue
-        shown.append(tok)
-    command = " ".join(["python resharpen.py"] + shown) if given & {"lrs", "norms", "regimes"} or (
-        given & {"n_layer", "mlp"}) else ""
-    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
-    cfg = language_config(cfg) if cfg.task != "complement" else cfg
-    oom = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
+    mode, cfg, suite_flags = check_args(args, parser)
+    out = args.out or "runs"
+    shown = [a for i, a in enumerate(argv) if not (a == "--out" or a.startswith("--out=")
+                                                   or i and argv[i - 1] == "--out")]
+    command = shlex.join(["python", "resharpen.py"] + shown)   # for the tables
     try:
-        import matplotlib.backends.backend_agg  # noqa: F401  (fail now, not after training)
-    except ImportError:
-        stop("matplotlib is missing: pip install -r requirements.txt", 2)
-    try:
-        if args.handout:
-            handout(args.out)
-        elif args.theory:
-            theory(cfg.vocab, cfg.train_len, args.out)
-        elif args.compare or args.long:
-            compare(cfg, args.out, long=args.long, norms=args.norms, regimes=args.regimes,
-                    lrs=args.lrs, command=command)
-        elif args.suite:
-            suite(cfg, args.out, **{k: getattr(args, k) for k in given & set(SUITE_MODEL)})
-        elif args.alternatives:
-            alternatives(cfg, args.out)
-        elif args.search is not None:
-            search(cfg, args.out, args.search, args.lrs, command)
+        if mode == "handout":
+            handout(out)
+        elif mode == "theory":
+            theory(cfg.vocab, cfg.train_len, out)
+        elif mode in ("compare", "long"):
+            compare(cfg, out, command, mode == "long", args.norms, args.regimes, args.lrs)
+        elif mode == "suite":
+            suite(cfg, out, command, **suite_flags)
+        elif mode == "alternatives":
+            alternatives(cfg, out, command)
+        elif mode == "search":
+            search(cfg, out, args.search, command, args.lrs)
         else:
-            run_one(cfg, args.out, args.save)
+            run_one(cfg, out, args.save)
+    except KeyboardInterrupt:
+        stop("interrupted (Ctrl-C); the files already written are whole", 130)
     except FloatingPointError as e:
         stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
-    except WriteError as e:
-        stop(str(e), 1)
-    except oom:
-        stop("out of memory; try a smaller --batch-size, --vocab or --n-embd. Nothing was "
-             "written.", 1)
-    except RuntimeError as e:
-        if "overflow" in str(e).lower():   # an --lr beyond float32 (about 3e38)
-            stop(f"stopped: {str(e).splitlines()[0][:80]}; try a smaller --lr. Nothing was "
-                 "written.", 1)
-        if "alloc" not in str(e).lower() and "out of memory" not in str(e).lower():
-            raise
-        stop(f"out of memory ({str(e).splitlines()[0][:80]}); try a smaller --batch-size, "
-             "--vocab or --n-embd. Nothing was written.", 1)
+    except (MemoryError, torch.OutOfMemoryError):
+        stop("out of memory; try a smaller --batch-size, --vocab or --n-embd", 1)
 
 
 if __name__ == "__main__":
     try:
         main()
-        if sys.stdout is not None:   # None: started with its output closed (>&-)
-            sys.stdout.flush()
-    except BrokenPipeError:   # the output was piped into a program that stopped reading
+    except BrokenPipeError:   # python resharpen.py | head: the reader stopped; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
-    except OSError as e:      # the output is full (/dev/full), a size limit (ulimit -f) ...
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write(f"resharpen.py: stopped: {e}\n")
-        os._exit(1)
