@@ -1782,8 +1782,15 @@ def check_args(args, parser):
         bad(f"--batch-size {cfg.batch_size}: about {need / 2**30:.0f} GiB at the peak ({workers} "
             f"run(s) at once; limit {MEMORY_LIMIT // 2**30} GiB): use a smaller --batch-size, "
             "--n-embd, --n-layer, --n-head, --train-len or --vocab")
+    prepare_folders(args, bad)
+    return mode, cfg, suite_flags
+
+
+def prepare_folders(args, bad):
+    """Create --save's and --out's folders and write a probe file in each, so that a path
+    that cannot be written (no such folder, no permission, a name too long) fails now."""
     for flag, path, folder in (("--save", args.save, False), ("--out", args.out or "runs", True)):
-        try:   # created now, so that a path that cannot be written fails before training
+        try:
             if path:
                 os.makedirs(path if folder else os.path.dirname(os.path.abspath(path)),
                             exist_ok=True)
@@ -1792,7 +1799,6 @@ def check_args(args, parser):
                 os.remove(probe)
         except OSError as e:
             bad(f"{flag} {path!r}: {e.strerror or e}")
-    return mode, cfg, suite_flags
 
 
 def stop(message, code):
@@ -1831,7 +1837,7 @@ def main(argv=None):
         stop("interrupted (Ctrl-C); the files already written are whole", 130)
     except FloatingPointError as e:
         stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
-    except (MemoryError, torch.OutOfMemoryError):
+    except (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)):   # torch < 2.5
         stop("out of memory; try a smaller --batch-size, --vocab or --n-embd", 1)
 
 

@@ -25,6 +25,8 @@ def quick_evaluation(monkeypatch):
     monkeypatch.setattr(R, "EVAL_PERMS", 20)
 HERE = os.path.dirname(os.path.abspath(__file__))
 DT = torch.double
+needs_rmsnorm = pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"),
+                                   reason="torch < 2.4 has no nn.RMSNorm")
 
 # ---- helpers --------------------------------------------------------------------------------
 
@@ -36,13 +38,8 @@ def tiny(**kw):
 
 
 def randomize(model, seed=0):
-    """Weights of size 1, LayerNorm gains and biases away from (1, 0), so no term hides."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.dim() == 2 else 0.3)
-                    + (1.0 if p.dim() == 1 else 0.0))
-    return model.eval()
+    """random_weights (with the graders, below), in eval mode."""
+    return random_weights(model, seed).eval()
 
 
 def read(name):
@@ -120,7 +117,7 @@ def ones_complement(v):
 
 
 def text_model(E, U, W_V, W_O, W_Q=None, W_K=None, n_head=1, input_ln=False,
-               bos=False):
+               bos=False, attn_scale="none"):
     """The script's one-layer Transformer ('pre' block) holding theory.md's row-vector
     matrices: E (v, n), W_Q, W_K, W_V, W_O (n, n; heads side by side), U (n, v). nn.Linear
     stores (out, in), the transpose of the text's (in, out). Without input_ln the block's
@@ -132,7 +129,7 @@ def text_model(E, U, W_V, W_O, W_Q=None, W_K=None, n_head=1, input_ln=False,
     W_Q = zero if W_Q is None else W_Q
     W_K = zero if W_K is None else W_K
     model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
-                                   bos=bos)).double()
+                                   bos=bos, attn_scale=attn_scale)).double()
     with torch.no_grad():
         model.wte.weight.copy_(E)
         model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
@@ -338,20 +335,7 @@ def row_model(E, U, W_V, W_O, W_Q=None, W_K=None, bos=False, attn_scale="none"):
     identity: the minimal model x + Attn(x) of section 1) holding theory.md's row-vector
     matrices E (v [+1 BOS], n), W_Q, W_K, W_V, W_O (n, n), U (n, v); one head of size n.
     nn.Linear stores (out, in), the transpose of the text's (in, out)."""
-    rows, n = E.shape
-    v = rows - bos
-    zero = torch.zeros(n, n, dtype=DT)
-    W_Q = zero if W_Q is None else W_Q
-    W_K = zero if W_K is None else W_K
-    model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm="pre", bos=bos,
-                                   attn_scale=attn_scale)).double()
-    with torch.no_grad():
-        model.wte.weight.copy_(E)
-        model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
-        model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
-        model.lm_head.weight.copy_(U.T)
-    model.blocks[0].ln_1 = torch.nn.Identity()
-    return model.eval()
+    return text_model(E, U, W_V, W_O, W_Q, W_K, bos=bos, attn_scale=attn_scale)
 
 
 def relative_to_unseen(row, tokens):
@@ -642,7 +626,7 @@ def test_ema_off_is_exactly_the_raw_weights_of_an_ema_run():
 
 
 def test_sampled_gradient_covariance_is_diag_p_minus_p_p():
-    # theory.md, section 6: the gradient of -log q_y w.r.t. the logits is q - e_y; with y ~ p*
+    # theory.md, section 5: the gradient of -log q_y w.r.t. the logits is q - e_y; with y ~ p*
     # its mean is q - p* and its covariance diag(p*) - p* p*^T, of trace 1 - 1/k.
     v, k, n = 6, 4, 200000
     p = torch.zeros(v, dtype=torch.double)
@@ -661,7 +645,7 @@ def test_sampled_gradient_covariance_is_diag_p_minus_p_p():
 
 
 def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
-    # theory.md, section 6: SGD on h theta^2 / 2 with gradient noise sigma has stationary
+    # theory.md, section 5: SGD on h theta^2 / 2 with gradient noise sigma has stationary
     # variance V = eta sigma^2 / (h (2 - eta h)); an EMA of decay d has
     # V (1 - d) / (1 + d) * (1 + d rho) / (1 - d rho), rho = 1 - eta h.
     eta, h, sigma, d, chains, steps = 0.1, 1.0, 1.0, 0.95, 4000, 1500
@@ -682,7 +666,6 @@ def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
 
 
 def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_small_steps():
-    # REPLACES the test of the same name in test_resharpen.py.
     # theta <- theta - eta (lam theta + xi), Var xi = sigma^2: stationary variance
     # V = eta sigma^2 / (lam (2 - eta lam)) for 0 < eta lam < 2. At eta lam = 1 and 1.5 the
     # exact factor is 2 and 4 times the small-step approximation eta sigma^2 / (2 lam), so
@@ -788,7 +771,7 @@ def test_the_first_progress_line_comes_early():
 
 
 def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
-    # REPLACES the test of the same name. The oracle has zero TVD, invalid mass and KL;
+    # The oracle has zero TVD, invalid mass and KL;
     # evaluate's attn_entropy is the mean over heads and layers of each head's entropy:
     # uniform attention over s positions has entropy log s (section 3), attention on one
     # position 0. With several heads and layers: all uniform gives log s (a sum over heads
@@ -842,7 +825,7 @@ def test_bos_changes_the_uniform_entropy_to_log_s_plus_1():
 
 @pytest.mark.parametrize("gamma", [1.3, 0.0, -0.7])
 def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma):
-    # REPLACES the test of the same name. Section 2.4: for balanced logits of margin m (any
+    # Section 2.4: for balanced logits of margin m (any
     # sign) TVD = pi = s / (s + (v - s) e^m) and KL(p* || q) = -log(1 - pi). The margin is
     # the model's own (balance checked on random inputs, m from its logits), pi is computed
     # here, and evaluate()'s tvd, invalid_mass and kl must all match it.
@@ -895,7 +878,7 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
 def test_step_2_balance_at_lengths_1_and_2_forces_m1_equal_2_m2_for_any_attention(v):
     # Every solution (B, D, m_1, m_2) of the balance equations has m_1 = 2 m_2, whatever the
     # length-2 attention; with a common split there are solutions with m_2 != 0, with splits
-    # that differ from pair to pair there are none (Step 3: the split must be the same).
+    # that differ from pair to pair there are none (Theorem 1(b): the split must be the same).
     g = torch.Generator().manual_seed(v)
     random_alpha = (0.1 + 0.8 * torch.rand(v, v, generator=g, dtype=DT)).tolist()
     for alpha, common in [([[0.5] * v] * v, True), ([[0.3] * v] * v, True),
@@ -998,8 +981,8 @@ def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
 
 
 def test_symmetric_but_pair_dependent_splits_admit_no_balanced_model():
-    # Step 3: a split alpha_xy = alpha_yx that differs between pairs forces m_2 = 0 (and then
-    # m_1 = 0): Step 2 alone (which needs only symmetry) does not exclude it, the triangle does.
+    # Theorem 1(b): a split alpha_xy = alpha_yx that differs between pairs forces m_2 = 0 (and then
+    # m_1 = 0): Theorem 1(a) alone (which needs only symmetry) does not exclude it, the triangle does.
     v = 4
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
@@ -1013,7 +996,7 @@ def test_symmetric_but_pair_dependent_splits_admit_no_balanced_model():
 
 
 def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
-    # REPLACES the test of the same name. Corollary 2 on models built in the Transformer:
+    # Corollary 2 on models built in the Transformer:
     # scores depending on the token pair only (an own-key bonus Delta), U and W_V set to
     # Theorem 1's balanced solution for the split alpha the model itself shows at length 2.
     # Every such model is balanced at lengths 1 and 2 (margins 2 alpha and alpha); at length
@@ -1173,7 +1156,7 @@ def test_width_2v_minus_2_construction_is_balanced_at_every_length(n_head):
 
 
 def test_width_v_minus_1_is_balanced_up_to_tau_delta_with_weights_of_size_1_over_tau():
-    # Caveat (i): n = r = v - 1, even split, E = Q, W_V W_O = I / tau, U = -tau delta Q^T:
+    # Appendix A, the 1/tau escape: n = r = v - 1, even split, E = Q, W_V W_O = I / tau, U = -tau delta Q^T:
     # D = -delta P exactly and B = -tau delta P, so at every length s >= 2 the last token's
     # logit sits tau delta below the other seen tokens' (which sit delta / s below the
     # unseen ones): balanced up to an error tau delta, with weights of size 1 / tau.
@@ -1282,7 +1265,7 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
 
 
 def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
-    # Appendix A: with B = 0, Step 4 forces alpha = 1/2 (no solution with m_2 != 0 for
+    # Appendix A: with B = 0, Theorem 1(d) forces alpha = 1/2 (no solution with m_2 != 0 for
     # alpha != 1/2). A model whose logits read only the attention output (no residual path
     # to U, so B = 0) needs only n = v - 1: E = Q, W_V W_O = I, U = -delta Q^T gives
     # f = -delta sum a_i Q[t_i] Q^T == -(delta / s) 1_t with uniform attention. Computed with
@@ -1336,7 +1319,7 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
 
 @pytest.mark.parametrize("v", [15, 16])
 def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
-    # REPLACES the test of the same name. Theorem 3 on hand_built(v, 'post', gamma), built in
+    # Theorem 3 on hand_built(v, 'post', gamma), built in
     # the Transformer, at eps = 0: balanced at every length (checked on random inputs), and
     # its margin and evaluate()'s logit_gap equal gamma sqrt(n/v) v / sqrt(s (v - s)), n = 2v,
     # never below 2 gamma sqrt(n/v), reached only at s = v/2 (v even). With values not
@@ -1403,7 +1386,7 @@ def test_post_norm_margin_decays_like_one_over_sqrt_s_to_its_minimum_at_v_over_2
 
 
 def test_post_norm_margin_is_about_gamma_sqrt_n_over_s_for_small_s():
-    # REPLACES the test of the same name. Theorem 3(iii) on the hand-built model (eps = 0):
+    # Theorem 3(iii) on the hand-built model (eps = 0):
     # m_post(s) = gamma sqrt(n/s) / sqrt(1 - s/v) exactly, so for s << v it is about
     # gamma sqrt(n/s): within 1/sqrt(1 - 1/8) - 1 = 6.9 % for s <= v/8, and from s to 4s it
     # falls by about 2 (the 1/sqrt(s) law), not by 4 (the 1/s law).
@@ -1432,9 +1415,9 @@ def test_layernorm_eps_divides_the_post_norm_margin_by_sqrt_one_plus_eps_over_va
     assert with_eps[15] == pytest.approx(2.800, abs=1e-3) and with_eps[15] < 2 * math.sqrt(2)
 
 
-@pytest.mark.parametrize("norm_cls", ["layer", "rms"])
+@pytest.mark.parametrize("norm_cls", ["layer", pytest.param("rms", marks=needs_rmsnorm)])
 def test_norm_on_uncentred_one_hot_values(norm_cls):
-    # theory.md, section 5: with values e_x (not centred), LayerNorm gives n / sqrt(s (n - s)),
+    # theory.md, Appendix B.2: with values e_x (not centred), LayerNorm gives n / sqrt(s (n - s)),
     # bounded below by 2, while RMSNorm, which does not subtract the mean, gives sqrt(n / s).
     v, n = 12, 24
     model = R.hand_built(v, "post")
@@ -1451,7 +1434,7 @@ def test_norm_on_uncentred_one_hot_values(norm_cls):
         assert gap == pytest.approx(want, rel=1e-9)
 
 
-@pytest.mark.parametrize("norm_cls", ["layer", "rms"])
+@pytest.mark.parametrize("norm_cls", ["layer", pytest.param("rms", marks=needs_rmsnorm)])
 def test_a_common_part_of_the_values_sets_the_post_norm_gap(norm_cls):
     # Values u_x = c + w (e_x - 1/v) (centred part on the first v features; c constant there,
     # anything elsewhere): gap = w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)), where
@@ -1477,6 +1460,7 @@ def test_a_common_part_of_the_values_sets_the_post_norm_gap(norm_cls):
     assert (removed / one_hot_common.pow(2).sum()).item() == pytest.approx(v / n, rel=1e-12)
 
 
+@needs_rmsnorm
 def test_one_hot_values_gap_decays_under_both_layernorm_and_rmsnorm():
     # u_x = e_x: LayerNorm n / sqrt(s (n - s)), RMSNorm sqrt(n / s). Over s = 1 .. v - 1 <= n/2
     # both fall strictly; their ratio sqrt(n / (n - s)) lies in [1, sqrt(2)].
@@ -1495,6 +1479,7 @@ def test_one_hot_values_gap_decays_under_both_layernorm_and_rmsnorm():
         8.06, 2.00, 8.00, 1.44)
 
 
+@needs_rmsnorm
 def test_common_part_regimes_sqrt_2_and_s_star():
     # gap(s) = w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)) (computed here by torch's
     # LayerNorm and RMSNorm on the explicit average, eps = 0): for s >= s* = 1 / (|c'|^2/w^2
@@ -1528,6 +1513,7 @@ def test_common_part_regimes_sqrt_2_and_s_star():
         assert below > 0 and above > 0
 
 
+@needs_rmsnorm
 def test_one_hot_values_s_star_and_ratios_at_v_minus_1():
     # One-hot values e_x (w = 1, c = 1/v on the first v features): RMSNorm keeps
     # |c'|^2 = 1/v, so s* = v/2; LayerNorm at n = 2v keeps 1/v - 1/n, so s* = 2v/3.
@@ -1590,7 +1576,7 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
     # m(s)/m(s0) * s/s0 = sqrt(((1 - s0/v)/s0 + A) / ((1 - s/v)/s + A)), A = (n-1)/n, grows
     # with s, and stays below sqrt(1 + (1 - s0/v)/(s0 A)): < sqrt(3/2) for s0 = 2 (1.214 at
     # v = 32; tends to sqrt(3/2)), and 1.408 for s0 = 1 (tends to sqrt(2)). The hand-built
-    # Post-Norm model has m_1 / m_2 = sqrt(2 (v-2) / (v-1)), not 2 (Step 2 needs no norm).
+    # Post-Norm model has m_1 / m_2 = sqrt(2 (v-2) / (v-1)), not 2 (Theorem 1(a) assumes no norm).
     v = 32
     n = 2 * v
     A = (n - 1) / n
@@ -1613,7 +1599,7 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
 
 
 def test_pre_final_construction_resharpens_almost_like_post_norm():
-    # REPLACES the test of the same name. C.3 and C.5, v = 32, eps = 1e-5 (the model's).
+    # C.3 and C.5, v = 32, eps = 1e-5 (the model's).
     # (a) pre-final's final norm sees the token (squared length 1) plus the average divided
     # by sigma_1 (squared length (1/s - 1/v) / sigma_1^2); the average dominates exactly for
     # s < 4 v^2 / (6v - 1) = 21.4 (eps = 0). (b) Each hand-built model, scaled to margin 6 at
@@ -1850,7 +1836,7 @@ def test_normed_bos_average_turns_monotonically_and_one_relu_feature_separates_d
 
 
 def test_a_norm_on_a_bos_average_recovers_the_depth_at_any_length():
-    # theory.md, section 8: uniform attention over BOS (value e_0) and t brackets (values
+    # theory.md, Appendix D: uniform attention over BOS (value e_0) and t brackets (values
     # +e_1 for an open, -e_1 for a close) averages to (e_0 + depth e_1) / (t + 1). Its size
     # shrinks with t, but LayerNorm (eps = 0) returns the same vector for the same depth.
     def attn_average(opens, closes):
@@ -1888,7 +1874,7 @@ def test_log_length_scaling_multiplies_each_querys_scores_by_s_h_log_n():
 
 
 def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
-    # REPLACES the test of the same name. E.1 with --attn-scale logn, learned scale 0.8.
+    # E.1 with --attn-scale logn, learned scale 0.8.
     # (a) Unequal scores: the pair-score model (own-key bonus Delta, U and W_V Theorem 1's
     # balanced solution for the split it shows at length 2). At length s (n = s positions
     # seen) the weights are softmax(0.8 log(s) Delta [x = y]), computed here, and the logits
@@ -1970,7 +1956,7 @@ def test_log_length_scaling_breaks_proportions_and_lemma_a():
 
 
 def test_dropout_at_training_time_leaves_the_expected_logits_of_pre_unchanged():
-    # 9.2: each attention weight and each block output is kept with probability 1 - p and
+    # Appendix E.2: each attention weight and each block output is kept with probability 1 - p and
     # divided by 1 - p; the pre model without a final norm is linear in both masks, so the
     # mean of its training-mode logits is its evaluation-mode logits (Monte Carlo, float64).
     torch.manual_seed(0)
@@ -2395,6 +2381,23 @@ def test_ctrl_c_during_training_exits_130_with_one_line(monkeypatch, capsys, tmp
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
+    # README, "Threads": run as a script, GOMP_SPINCOUNT=1000 unless the user set one;
+    # imported (tests, notebooks), the file changes nothing.
+    import runpy
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="imported")
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setattr("sys.argv", ["resharpen.py", "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
+    assert os.environ["GOMP_SPINCOUNT"] == "1000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    with pytest.raises(SystemExit):
+        runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+
+
 def test_a_closed_pipe_ends_quietly(tmp_path):
     import subprocess
     import sys
@@ -2453,7 +2456,8 @@ def test_readme_main_command_output_is_what_plots_metrics_json_holds():
 def test_readme_results_rows_are_copied_from_the_generated_tables():
     readme = read("README.md")
     results = readme.split("\n## Results", 1)[1].split("\n## Exercises", 1)[0]
-    generated = "".join(read(f"plots/{name}.md") for name in ("compare", "long", "search"))
+    generated = "".join(read(f"plots/{name}.md") for name in ("compare", "long", "search",
+                                                               "suite", "depth2/compare", "depth4/compare"))
     rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) >= 10
     for row in rows:
@@ -2516,10 +2520,46 @@ def test_readme_prose_numbers_match_the_comparison():
     cross = {r: summary[r]["crossover"]["ema"] for r in summary}
     assert (cross["sampled, constant"], cross["sampled, cosine"], cross["exact, constant"],
             cross["exact, cosine"]) == (20, 22, 31, None)
-    for fragment in ["from s = 20 in the first panel, 22 in the second, only at s = 31 in the "
-                     "third, and never in the last",
-                     "`post` is below `pre-final` from s = 20 (constant rate) or 22 (cosine) on"]:
+    assert "`post` is below `pre-final` from s = 20 (constant rate) or 22 (cosine) on" in readme
+
+
+def ema_curve(record, norm, key="tvd", **fixed):
+    """Mean over seeds of the EMA weights' per-length key, for the runs of record with that
+    placement, sampled targets and a constant rate (and the config values in fixed)."""
+    fixed = {"targets": "sampled", "lr_schedule": "constant", "norm": norm, **fixed}
+    runs = [r["ema"][key] for r in record["runs"]
+            if all(r["config"][k] == v for k, v in fixed.items())]
+    return [sum(c) / len(c) for c in zip(*runs)]
+
+
+def test_readme_headline_caption_and_tuned_numbers_match_their_json():
+    import json
+    readme = " ".join(read("README.md").split())
+    compare, tuned = json.loads(read("plots/compare.json")), json.loads(read("plots/tuned/compare.json"))
+    post, final, pre = (ema_curve(compare, n) for n in ("post", "pre-final", "pre"))
+    chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
+    t_post, t_final = (ema_curve(tuned, n, lr=chosen[n]) for n in ("post", "pre-final"))
+    search = json.loads(read("plots/search.json"))["summary"]["pre-final"]["ema"]["all"]
+    lo, hi = search["median_ratio_95"]
+    for fragment in [
+            f"their TVDs differ by {round(100 * (final[23] - post[23]) / final[23])} % "
+            f"({post[23]:.3f} and {final[23]:.3f}, 3 seeds)",
+            f"is {search['median_ratio']:.2f} (95 % interval {lo:.2f} \u2013 {hi:.2f})",
+            f"`pre-final` is ahead there ({t_final[23]:.3f} against {t_post[23]:.3f})",
+            f"`pre` climbs to {pre[30]:.2f}",
+            f"stay within {max(abs(a - b) for a, b in zip(post[:20], final[:20])):.3f} of each "
+            "other to s = 20", f"below {max(post + final):.2f} everywhere",
+            f"({post[30]:.3f} against {final[30]:.3f})",
+            "Chosen: " + ", ".join(f"`{n}` {chosen[n]:g}" for n in ("pre", "pre-final", "post")),
+            f"`post` below `pre-final` from s = {tuned['summary']['sampled, constant']['crossover']['ema']} "
+            f"(at s = 31: {t_post[30]:.3f} against {t_final[30]:.3f})",
+            f"({ema_curve(tuned, 'post', lr=0.001, seed=0)[23]:.4f} at 2 L with 0.001, seed 0)"]:
         assert fragment in readme, fragment
+    summary = tuned["summary"]["sampled, constant"]
+    for norm in ("pre", "pre-final", "post"):
+        ema = summary[norm]["ema"]
+        cells = [sum(ema[c]) / 3 for c in ("training lengths", "s = 24 (2 L)")]
+        assert f"`{norm}` {cells[0]:.4f} / {cells[1]:.4f}" in readme
 
 
 def test_readme_search_numbers_match_plots_search_json():
