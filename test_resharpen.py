@@ -163,13 +163,14 @@ def seen_unseen_logits(logits, tokens):
     return logits[seen], logits[~seen]
 
 
-def margins_at_every_length(model, v, n_perm=4, seed=0):
-    """For s = 1 .. v-1: the margin (unseen minus seen logit), after checking that the
-    logits are balanced (all seen equal, all unseen equal) on n_perm random inputs."""
+def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
+    """For s = 1 .. v-1 (or up_to): the margin (unseen minus seen logit), after checking that
+    the logits are balanced (all seen equal, all unseen equal) on n_perm random inputs."""
     perm = permutations(n_perm, v, seed)[:, : v - 1]
-    logits = model(perm)
+    with torch.no_grad():
+        logits = model(perm)
     out = []
-    for s in range(1, v):
+    for s in range(1, (up_to or v - 1) + 1):
         ms = []
         for b in range(n_perm):
             lo, hi = seen_unseen_logits(logits[b, s - 1], perm[b, :s].tolist())
@@ -322,14 +323,6 @@ def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
     return loss.item() ** 0.5
 
 
-def eps0(model):
-    """Every LayerNorm at eps = 0 (theory.md's exact formulas)."""
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.LayerNorm):
-            mod.eps = 0.0
-    return model
-
-
 def row_model(E, U, W_V, W_O, W_Q=None, W_K=None, bos=False, attn_scale="none"):
     """resharpen's one-layer Transformer ('pre' block, input LayerNorm replaced by the
     identity: the minimal model x + Attn(x) of section 1) holding theory.md's row-vector
@@ -345,25 +338,6 @@ def relative_to_unseen(row, tokens):
     unseen = [x for x in range(v) if x not in tokens]
     assert (row[unseen] - row[unseen[0]]).abs().max() < 1e-10
     return row - row[unseen[0]]
-
-
-def margins(model, v, n_perm=4, seed=0, up_to=None):
-    """For s = 1 .. v-1 (or up_to): the margin (unseen minus seen logit), after checking
-    that the logits are balanced (all seen equal, all unseen equal) on n_perm random inputs."""
-    perm = permutations(n_perm, v, seed)[:, : v - 1]
-    with torch.no_grad():
-        logits = model(perm)
-    out = []
-    for s in range(1, (up_to or v - 1) + 1):
-        ms = []
-        for b in range(n_perm):
-            rel = relative_to_unseen(logits[b, s - 1], perm[b, :s].tolist())
-            seen = rel[perm[b, :s]]
-            assert (seen - seen[0]).abs().max() < 1e-10
-            ms.append(-seen[0].item())
-        assert max(ms) - min(ms) < 1e-10
-        out.append(ms[0])
-    return out
 
 
 def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
@@ -832,7 +806,7 @@ def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma
     v = 12
     for norm in R.NORMS:
         model = R.hand_built(v, norm, gamma)
-        m = margins(model, v, n_perm=3)
+        m = margins_at_every_length(model, v, n_perm=3)
         got = R.evaluate(model, n_perm=10)
         for s, ms in zip(got["length"], m):
             pi = s / (s + (v - s) * math.exp(ms))
@@ -1010,7 +984,7 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
         alpha = alphas[0].item()
         assert torch.allclose(alphas, torch.full_like(alphas, alpha), atol=1e-14)
         model = pair_score_model(v, Delta, alpha)
-        m = margins(model, v, n_perm=6, up_to=2)
+        m = margins_at_every_length(model, v, n_perm=6, up_to=2)
         assert m[0] == pytest.approx(2 * alpha, abs=1e-12)         # m_1 = 2 alpha
         assert m[1] == pytest.approx(alpha, abs=1e-12)             # m_2 = alpha = m_1 / 2
     for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
@@ -1326,8 +1300,8 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
     # centred over the vocabulary the margin is n / sqrt(s (n - s)) instead (Appendix B.2).
     gamma = 0.7
     n = 2 * v
-    model = eps0(R.hand_built(v, "post", gamma))
-    m = margins(model, v, n_perm=4)
+    model = eps_0(R.hand_built(v, "post", gamma))
+    m = margins_at_every_length(model, v, n_perm=4)
     gap = R.evaluate(model, n_perm=5)["logit_gap"]
     floor = 2 * gamma * math.sqrt(n / v)
     for s in range(1, v):
@@ -1361,7 +1335,7 @@ def test_theorem_3_holds_at_its_smallest_width_2v_minus_1():
         model.blocks[0].attn.c_attn.weight[2 * n:3 * n][:v, v:] = w * Q   # value: w Q[x] Q^T
         model.blocks[0].attn.c_proj.weight.copy_(torch.eye(n, dtype=DT))
         model.lm_head.weight[:, :v] = -gamma * torch.eye(v, dtype=DT)
-    m = margins(eps0(model.eval()), v, n_perm=4)
+    m = margins_at_every_length(eps_0(model.eval()), v, n_perm=4)
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s)),
                                    rel=1e-10)
@@ -1393,7 +1367,7 @@ def test_post_norm_margin_is_about_gamma_sqrt_n_over_s_for_small_s():
     gamma = 0.9
     for v in (32, 128):
         n = 2 * v
-        m = margins(eps0(R.hand_built(v, "post", gamma)), v, n_perm=1)
+        m = margins_at_every_length(eps_0(R.hand_built(v, "post", gamma)), v, n_perm=1)
         for s, ms in enumerate(m, start=1):
             assert ms * math.sqrt(s) / (gamma * math.sqrt(n)) == pytest.approx(
                 1 / math.sqrt(1 - s / v), rel=1e-10)
@@ -1624,7 +1598,7 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     for norm in R.NORMS:
         gamma = 6.0 / margin_c(v, norm, train_len, 1.0, eps)
         assert R.predicted_margin(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
-        m = margins(R.hand_built(v, norm, gamma), v, n_perm=2)
+        m = margins_at_every_length(R.hand_built(v, norm, gamma), v, n_perm=2)
         for s, ms in enumerate(m, start=1):
             want = margin_c(v, norm, s, gamma, eps)
             assert ms == pytest.approx(want, rel=1e-9)
@@ -1914,7 +1888,7 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
         scaled.blocks[0].attn.c_attn.weight[:n].zero_()
         scaled.blocks[0].attn.c_attn.weight[0, v:] = 1.0       # W_Q: any token -> q_0 = 1
         scaled.blocks[0].attn.c_attn.weight[n, v:] = 0.7       # W_K: any token -> k_0 = 0.7
-    m = margins(scaled.eval(), v)
+    m = margins_at_every_length(scaled.eval(), v)
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(m[0] / s, rel=1e-10)
         assert ms == pytest.approx(R.predicted_margin(v, "pre", s), rel=1e-10)
