@@ -2529,7 +2529,7 @@ def test_readme_headline_caption_and_tuned_numbers_match_their_json():
     lo, hi = search["median_ratio_95"]
     for fragment in [
             f"their TVDs differ by {round(100 * (final[23] - post[23]) / final[23])} % "
-            f"({post[23]:.3f} and {final[23]:.3f}, 3 seeds)",
+            f"({post[23]:.3f} and {final[23]:.3f}; sampled targets, constant rate, 3 seeds",
             f"is {search['median_ratio']:.2f} (95 % interval {lo:.2f} \u2013 {hi:.2f})",
             f"`pre-final` is ahead there ({t_final[23]:.3f} against {t_post[23]:.3f})",
             f"`pre` climbs to {pre[30]:.2f}",
@@ -2562,7 +2562,7 @@ def test_readme_search_numbers_match_plots_search_json():
             f"{P['sign_p']:.2f}, Wilcoxon p = {P['wilcoxon_p']:.2f}, median ratio pre-final / post "
             f"{P['median_ratio']:.2f} ({P['median_ratio_95'][0]:.2f} - "
             f"{P['median_ratio_95'][1]:.2f}): the interval bounds `post`'s median advantage to at "
-            f"most {round(100 * (P['median_ratio_95'][1] - 1))} %",
+            f"most {100 * (P['median_ratio_95'][1] - 1):.1f} %",
             f"With raw weights {Q['post_wins']} of {Q['n']} (p = {Q['sign_p']:.2f})",
             f"against `pre`, {A['post_wins']} of {A['n']} (median ratio {A['median_ratio']:.2f})"]:
         assert fragment in readme, fragment
