@@ -1678,7 +1678,7 @@ def build_parser():
     """Every flag defaults to None, so that check_args sees which were given; Config's
     defaults (shown in --help) fill the rest."""
     d = Config(ema=0.0)
-    p = Parser(prog="resharpen.py", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                description=__doc__.split("\n\n")[1],
                epilog="where the LayerNorm sits (--norm):\n" + "\n".join(
                    f"  {k:14s} {v}" for k, v in NORMS.items()))
