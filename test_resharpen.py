@@ -2548,6 +2548,32 @@ def test_readme_headline_caption_and_tuned_numbers_match_their_json():
         assert f"`{norm}` {cells[0]:.4f} / {cells[1]:.4f}" in readme
 
 
+def test_readme_depth_numbers_match_plots_depth2():
+    import json
+    readme = " ".join(read("README.md").split())
+    record = json.loads(read("plots/depth2/compare.json"))
+    cells = {}
+    for regime, row in record["summary"].items():
+        for norm in ("pre", "pre-final", "post"):
+            ema = row[norm]["ema"]
+            cells[regime, norm] = " / ".join(f"{sum(ema[c]) / 3:.4f}"
+                                              for c in ("training lengths", "s = 24 (2 L)"))
+    sc, ec = "sampled, constant", "exact, cosine"
+    assert (f"`pre` {cells[sc, 'pre']}, `pre-final` {cells[sc, 'pre-final']}, `post` "
+            f"{cells[sc, 'post']}; exact, cosine: {cells[ec, 'pre']}, {cells[ec, 'pre-final']}, "
+            f"{cells[ec, 'post']}") in readme
+    entropy = {}
+    for r in record["runs"]:
+        c = r["config"]
+        if c["lr"] == record["chosen_lr"][f"{c['norm']}, {c['targets']}, {c['lr_schedule']}"]:
+            for layer in (1, 2):
+                dev = [h - u for h, u in zip(r["ema"][f"attn_entropy_layer{layer}"],
+                                             r["ema"]["log_positions"])]
+                entropy[layer] = min(entropy.get(layer, 0), min(dev))
+    assert -0.07 <= entropy[1] and round(-entropy[2], 1) == 3.4
+    assert "within 0.07 nats of log s), the second focuses (down to 3.4 nats below)" in readme
+
+
 def test_readme_search_numbers_match_plots_search_json():
     import json
     record = json.loads(read("plots/search.json"))
