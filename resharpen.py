@@ -1764,8 +1764,10 @@ def check_args(args, parser):
     top = {"compare": (cfg.vocab - 1) // 2, "alternatives": cfg.vocab - 2, "suite": 256}.get(
         mode, 256 if language else cfg.vocab - 1)
     if mode not in ("long", "search", "handout") and cfg.train_len > top:
-        bad(f"--train-len must be at most {top} here (--compare tests 2 x --train-len, "
-            f"--alternatives needs a longer length), got {cfg.train_len}")
+        why = {"compare": "--compare tests 2 x --train-len", "alternatives": "it needs a longer "
+               "length", "suite": "a language's limit"}.get(mode, "a language's limit" if
+                                                               language else "v - 1")
+        bad(f"--train-len must be at most {top} ({why}), got {cfg.train_len}")
     if mode == "theory" and cfg.vocab > 256:
         bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
     suite_flags = {k: getattr(args, k) for k in given & set(SUITE_MODEL)}
