@@ -649,6 +649,8 @@ def finish(out, name, text, command, details, figures, record, wall):
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
+    if RUNS_FILE and os.path.exists(RUNS_FILE):
+        os.remove(RUNS_FILE)   # every run is in the JSON record now
     print(f"wrote {', '.join(written)}" + (f" | {wall:.0f}s" if wall is not None else ""))
 
 
@@ -787,26 +789,51 @@ def grid_workers(runs, device):
     return min(cores or 1, len(runs)) if device == "cpu" else 1
 
 
+RUNS_FILE = None   # main() sets it to OUT/runs.jsonl: every finished run of a grid, one per line
+
+
+def finished_runs():
+    """{astuple(config): (result, seconds)} of the runs in RUNS_FILE (--resume keeps them)."""
+    done = {}
+    if RUNS_FILE and os.path.exists(RUNS_FILE):
+        with open(RUNS_FILE, encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                cfg, seconds = Config(**r.pop("config")), r.pop("seconds")
+                done[astuple(cfg)] = (r, seconds)
+    return done
+
+
 def run_grid(runs, device, averages=("ema", "bema")):
     """Train and evaluate every run, on every core at once (one thread each), with a
-    progress line per run. Returns (results in the order of runs, wall seconds, workers)."""
+    progress line per run; each finished run is appended to RUNS_FILE, and runs already there
+    are not trained again (their seconds / workers count in the wall time). Returns (results in
+    the order of runs, wall seconds, workers)."""
     workers = grid_workers(runs, device)
-    print(f"{len(runs)} training runs on {device}, {workers} at a time", flush=True)
-    t0, done = time.time(), []
+    old = finished_runs()
+    kept = [(c, *old[astuple(c)]) for c in runs if astuple(c) in old]
+    todo = [c for c in runs if astuple(c) not in old]
+    print(f"{len(runs)} training runs on {device}, {workers} at a time" +
+          (f"; {len(kept)} done before, in {RUNS_FILE}" if kept else ""), flush=True)
+    t0, done = time.time(), list(kept)
     pool = None
     try:
         if workers > 1:
             import multiprocessing
             # The workers start with Ctrl-C ignored (inherited): this process stops them.
-            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
             pool = multiprocessing.get_context("spawn").Pool(workers)
-            signal.signal(signal.SIGINT, old)
+            signal.signal(signal.SIGINT, old_handler)
             job = functools.partial(train_and_evaluate, averages=averages, threads=1)
-            results = pool.imap_unordered(job, runs)
+            results = pool.imap_unordered(job, todo)
         else:
-            results = (train_and_evaluate(cfg, averages) for cfg in runs)
+            results = (train_and_evaluate(cfg, averages) for cfg in todo)
         for cfg, result, seconds in results:
             done.append((cfg, result, seconds))
+            if RUNS_FILE:
+                with open(RUNS_FILE, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"config": asdict(cfg), "seconds": seconds, **result})
+                            + "\n")
             left = math.ceil((len(runs) - len(done)) / workers)
             eta = mean([d[2] for d in done]) * left
             tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
@@ -818,8 +845,7 @@ def run_grid(runs, device, averages=("ema", "bema")):
         if pool:
             pool.terminate()
     done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
-    return done, time.time() - t0, workers
-
+    return done, time.time() - t0 + sum(d[2] for d in kept) / workers, workers
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -1596,11 +1622,11 @@ def handout(out):
 MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos", "dropout",
                "attn_scale", "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
-    "compare": MODEL_FLAGS | {"lrs", "norms", "regimes"},
-    "long": MODEL_FLAGS - set(LONG_MODEL) | {"lrs", "norms", "regimes"},
-    "alternatives": MODEL_FLAGS - {"bos", "dropout", "attn_scale"},
-    "search": {"lrs"},
-    "suite": set(SUITE_MODEL),
+    "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
+    "long": MODEL_FLAGS - set(LONG_MODEL) | {"lrs", "norms", "regimes", "resume"},
+    "alternatives": MODEL_FLAGS - {"bos", "dropout", "attn_scale"} | {"resume"},
+    "search": {"lrs", "resume"},
+    "suite": set(SUITE_MODEL) | {"resume"},
     "theory": {"vocab", "train_len"},
     "handout": set(),
 }
@@ -1658,6 +1684,8 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--norms", choice_list(tuple(NORMS)), "--compare, --long: only these placements"),
     ("--regimes", choice_list(REGIMES), "--compare, --long: only these regimes, such as "
      "sampled/constant,exact/cosine"),
+    ("--resume", bool, "a grid: keep the runs that an interrupted command recorded in "
+     "OUT/runs.jsonl (each grid appends every finished run there)"),
 ]
 MODES = [   # (flag, help); at most one
     ("--compare", f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
@@ -1743,7 +1771,7 @@ def check_args(args, parser):
     bad = parser.error
     given = {k for k, v in vars(args).items() if v is not None and v is not False}
     mode = next((m for m in MODE_FLAGS if m in given), None)
-    extra = given - MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes"}) - {
+    extra = given - MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes", "resume"}) - {
         mode, "seed", "device", "out"}
     if extra:
         bad(f"{', '.join(sorted('--' + x.replace('_', '-') for x in extra))}: not used by "
@@ -1817,9 +1845,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     mode, cfg, suite_flags = check_args(args, parser)
     out = args.out or "runs"
-    shown = [a for i, a in enumerate(argv) if not (a == "--out" or a.startswith("--out=")
-                                                   or i and argv[i - 1] == "--out")]
+    shown = [a for i, a in enumerate(argv) if not (a in ("--out", "--resume") or a.startswith(
+        "--out=") or i and argv[i - 1] == "--out")]   # what changes no number
     command = shlex.join(["python", "resharpen.py"] + shown)   # for the tables
+    global RUNS_FILE
+    RUNS_FILE = os.path.join(out, "runs.jsonl") if mode not in (None, "theory", "handout") else None
+    if RUNS_FILE and not args.resume and os.path.exists(RUNS_FILE):
+        os.remove(RUNS_FILE)   # an earlier command's runs, not asked for
     try:
         if mode == "handout":
             handout(out)
