@@ -2366,6 +2366,34 @@ def test_ctrl_c_during_training_exits_130_with_one_line(monkeypatch, capsys, tmp
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_path):
+    # Ctrl-C after two runs: both are in OUT/runs.jsonl; --resume trains only the others and
+    # writes what one uninterrupted command writes; the file goes once the record is written.
+    import json
+    skip_rendering(monkeypatch)
+    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
+    argv = ["--compare", "--norms", "pre,post", "--regimes", "exact/cosine"] + SMALL
+    R.main(argv + ["--out", str(tmp_path / "whole")])
+    trained, real = [], R.train_and_evaluate
+
+    def counted(cfg, *a, **k):
+        if len(trained) == 2 and not resuming:
+            raise KeyboardInterrupt
+        trained.append(cfg)
+        return real(cfg, *a, **k)
+    monkeypatch.setattr(R, "train_and_evaluate", counted)
+    resuming = False
+    with pytest.raises(SystemExit):
+        R.main(argv + ["--out", str(tmp_path / "cut")])
+    assert len((tmp_path / "cut" / "runs.jsonl").read_text().splitlines()) == 2
+    resuming = True
+    R.main(argv + ["--out", str(tmp_path / "cut"), "--resume"])
+    assert len(trained) == 6 and not (tmp_path / "cut" / "runs.jsonl").exists()
+    whole, cut = [json.loads((tmp_path / d / "compare.json").read_text()) for d in ("whole", "cut")]
+    assert cut["runs"] == whole["runs"] and cut["summary"] == whole["summary"]
+    assert "--resume" not in (tmp_path / "cut" / "compare.md").read_text().splitlines()[0]
+
+
 def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
     # README, "Threads": run as a script, GOMP_SPINCOUNT=1000 unless the user set one;
     # imported (tests, notebooks), the file changes nothing.
