@@ -643,9 +643,11 @@ def plot_panels(panels, train_len, n, ncol=4, overlay=None):
     return fig
 
 
-def finish(out, name, text, command, details, figures, record, wall):
-    """Print a mode's table and write it to name.md with the command that made it, its
-    figures and its JSON record."""
+def finish(out, name, text, command, details, figures, done, wall, workers, **record):
+    """Print a grid's table, ending with its size and time, and write it to name.md with the
+    command that made it, its figures, and name.json: record and every run."""
+    text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."
+    record.update(wall_seconds=round(wall, 1), runs=[{"config": asdict(c), **r} for c, r, _ in done])
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
@@ -1078,21 +1080,19 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
         lines += [""] + rates_table(done, chosen, L)
     if base.n_layer > 1:
         lines += [""] + layer_entropy_table(rows, base, norms, regimes)
-    lines += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training "
-              f"runs, {wall:.0f} s wall in {workers} worker process(es)."]
+    lines += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. "]
     figures = {("long.png" if long else "compare_regimes.png"):
                plot_regimes(rows, base, norms, regimes)}
     if full and not long:
         figures["compare_norms.png"] = plot_compare_norms(rows, base)
-    record = {"config": asdict(base), "wall_seconds": round(wall, 1), "summary": summary,
-              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    record = dict(config=asdict(base), summary=summary)
     if chosen:
         record["chosen_lr"] = {", ".join(k): lr for k, lr in chosen.items()}
     mlp = ", MLP" if base.mlp else ""
     details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s){mlp}, "
                f"{base.steps} steps, batch {base.batch_size}, lr "
                f"{'tuned' if chosen else base.lr}")
-    finish(out, name, "\n".join(lines), command, details, figures, record, wall)
+    finish(out, name, "\n".join(lines), command, details, figures, done, wall, workers, **record)
 
 
 # ----------------------------------------------------------------------------- alternatives
@@ -1159,14 +1159,12 @@ def alternatives(base, out, command):
     named = {name: [r for _, r, _ in done[i * k:(i + 1) * k]]
              for i, name in enumerate(ALTERNATIVES)}
     text = "\n".join(alternatives_table(named, base.train_len, base.vocab)) + (
-        f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. {len(done)} training runs, "
-        f"{wall:.0f} s wall in {workers} worker process(es).")
+        f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. ")
     details = (f"v={base.vocab}, train lengths 1..{base.train_len}, {base.steps} steps, batch "
                f"{base.batch_size}, lr {base.lr}, sampled targets, constant learning rate")
-    record = {"config": asdict(base), "wall_seconds": round(wall, 1),
-              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
     finish(out, "alternatives", text, command, details,
-           {"alternatives.png": plot_alternatives(named, base)}, record, wall)
+           {"alternatives.png": plot_alternatives(named, base)}, done, wall, workers,
+           config=asdict(base))
 
 
 # ----------------------------------------------------------------------------- search
@@ -1391,13 +1389,11 @@ def search(base, out, n, command, lrs=None):
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
     results = {astuple(c): r for c, r, _ in done}
     summary, text = search_text(configs, results, n, lrs)
-    text += f"\n\n{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."
-    record = {"summary": summary, "wall_seconds": round(wall, 1),
-              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
+    text += "\n\n"
     details = (f"seed {base.seed}; ranges in `search_configs`; protocol in theory.md, "
                "Appendix F")
     finish(out, "search", text, command, details, {"search.png": plot_search(configs, results)},
-           record, wall)
+           done, wall, workers, summary=summary)
 
 
 # ----------------------------------------------------------------------------- language suite
@@ -1449,7 +1445,7 @@ def suite_pairs(done, L):
                      "mean (95 % t interval)", "distinguishable from seed noise"], rows)
 
 
-def suite_table(done, wall, workers):
+def suite_table(done):
     L, rows = done[0][0].train_len, []
     for lang in SUITE_LANGUAGES:
         for norm in SUITE_NORMS:
@@ -1468,8 +1464,7 @@ def suite_table(done, wall, workers):
     out += ["", f"Mean +- standard deviation over {SUITE_SEEDS} seeds.", "",
             "### Paired by seed: each placement minus `post` (positive: `post` is lower)", ""]
     out += suite_pairs(done, L)
-    out += ["", f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."]
-    return "\n".join(out)
+    return "\n".join(out + ["", ""])
 
 
 def plot_suite(done):
@@ -1488,10 +1483,8 @@ def suite(base, out, command, **overrides):
     """python resharpen.py --suite: the languages, then suite.md, suite.json, suite.png."""
     done, wall, workers = run_grid(suite_grid(base, **overrides), pick_device(base.device))
     settings = ", ".join(f"{k} {v}" for k, v in {**SUITE_MODEL, **overrides}.items())
-    record = {"wall_seconds": round(wall, 1),
-              "runs": [{"config": asdict(c), **r} for c, r, _ in done]}
-    finish(out, "suite", suite_table(done, wall, workers), command, settings,
-           {"suite.png": plot_suite(done)}, record, wall)
+    finish(out, "suite", suite_table(done), command, settings, {"suite.png": plot_suite(done)},
+           done, wall, workers)
 
 
 # ----------------------------------------------------------------------------- theory
