@@ -1866,6 +1866,8 @@ def main(argv=None):
         stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
     except (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)):   # torch < 2.5
         stop("out of memory; try a smaller --batch-size, --vocab or --n-embd", 1)
+    finally:
+        RUNS_FILE = None
 
 
 if __name__ == "__main__":

@@ -20,9 +20,12 @@ REFERENCE = R   # the graders' default module (grade.py, written by --handout, h
 
 @pytest.fixture(autouse=True)
 def quick_evaluation(monkeypatch):
-    """Commands and grids evaluate on 20 fixed inputs instead of 1000: tests of their numbers
-    call evaluate() with their own n_perm."""
+    """Commands and grids evaluate on 20 fixed inputs instead of 1000 (tests of their numbers
+    call evaluate() with their own n_perm), and no grid reads another test's runs.jsonl."""
     monkeypatch.setattr(R, "EVAL_PERMS", 20)
+    monkeypatch.setattr(R, "RUNS_FILE", None)
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DT = torch.double
 needs_rmsnorm = pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"),
@@ -2385,13 +2388,13 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     resuming = False
     with pytest.raises(SystemExit):
         R.main(argv + ["--out", str(tmp_path / "cut")])
-    assert len((tmp_path / "cut" / "runs.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "cut" / "runs.jsonl").read_text(encoding="utf-8").splitlines()) == 2
     resuming = True
     R.main(argv + ["--out", str(tmp_path / "cut"), "--resume"])
     assert len(trained) == 6 and not (tmp_path / "cut" / "runs.jsonl").exists()
-    whole, cut = [json.loads((tmp_path / d / "compare.json").read_text()) for d in ("whole", "cut")]
+    whole, cut = [json.loads((tmp_path / d / "compare.json").read_text(encoding="utf-8")) for d in ("whole", "cut")]
     assert cut["runs"] == whole["runs"] and cut["summary"] == whole["summary"]
-    assert "--resume" not in (tmp_path / "cut" / "compare.md").read_text().splitlines()[0]
+    assert "--resume" not in (tmp_path / "cut" / "compare.md").read_text(encoding="utf-8").splitlines()[0]
 
 
 def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
@@ -2446,6 +2449,30 @@ def test_the_tables_name_every_flag_that_was_given(monkeypatch, tmp_path):
     assert seen == ["python resharpen.py --compare --bos --dropout 0.3 --attn-scale logn --mlp"]
 
 # ---- the README and theory.md quote the committed files -------------------------------------
+
+
+@pytest.mark.parametrize("table", ["compare.md", "long.md", "alternatives.md", "search.md",
+                                   "suite.md", "tuned/compare.md", "depth2/compare.md"])
+def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
+                                                                      monkeypatch, capsys):
+    # Rerun the command named in the table's first line with run_grid answering from the
+    # committed JSON instead of training: the code must write the committed table again.
+    import json
+    import shlex
+    record = json.loads(read(os.path.join("plots", os.path.dirname(table),
+                                          table.replace(".md", ".json").split("/")[-1])))
+    runs = {R.astuple(R.Config(**r["config"])): {k: v for k, v in r.items() if k != "config"}
+            for r in record["runs"]}
+    walls = [record["wall_seconds"]]   # the first grid's wall: the record's; a second one's: 0
+
+    def from_json(configs, device, averages=None):
+        return [(c, runs[R.astuple(c)], 0.0) for c in configs], walls.pop() if walls else 0.0, 2
+    skip_rendering(monkeypatch)
+    monkeypatch.setattr(R, "run_grid", from_json)
+    committed = read(os.path.join("plots", table))
+    command = committed.split("`")[1]
+    R.main(shlex.split(command)[2:] + ["--out", str(tmp_path)])
+    assert (tmp_path / os.path.basename(table)).read_text(encoding="utf-8") == committed
 
 
 def test_part_1_is_at_most_400_lines_and_never_asks_which_task_it_runs():
