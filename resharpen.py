@@ -81,7 +81,8 @@ class SetComplement:
     name = "Set Complement"
 
     def __init__(self, cfg):
-        self.vocab, self.train_len = cfg.vocab, cfg.train_len
+        self.vocab = cfg.vocab
+        self.train_len = cfg.train_len
 
     def sample(self, n, T, generator=None):
         """n random orderings, cut to T tokens: each next token samples its prefix's target."""
@@ -272,7 +273,9 @@ def train(cfg, task=None, log=print, averagers=None):
         averages = averagers(model)
     else:
         averages = [EMA(model, cfg.ema)] if cfg.ema > 0 else []
-    losses, floor, t0 = [], task.loss_floor(), time.time()
+    losses = []
+    floor = task.loss_floor()
+    t0 = time.time()
     every = max(1, cfg.steps // 8)   # log at step 10, then 8 times
     for step in range(1, cfg.steps + 1):
         for group in opt.param_groups:
@@ -308,7 +311,8 @@ def train(cfg, task=None, log=print, averagers=None):
 def evaluate(model, n_perm=None, task=None):
     """Metrics at every prefix length s = 1 .. v-1 of the task (default: Set Complement),
     averaged over n_perm fixed inputs: one pass over a whole permutation gives every length."""
-    cfg, was_training = model.cfg, model.training
+    cfg = model.cfg
+    was_training = model.training
     task = task or SetComplement(cfg)
     n_perm = n_perm or EVAL_PERMS
     device = next(model.parameters()).device
@@ -368,7 +372,8 @@ def hand_built(vocab, norm, gamma=1.0):
       U[j] = -gamma e_j      logit j reads feature j, so seen tokens are pushed down
     The readout never sees the second half, so B = E U = 0. (nn.Linear stores W as (out, in):
     the transpose of theory.md's row-vector matrices.)"""
-    v, n = vocab, 2 * vocab   # float64, so that TVDs far below 1e-7 are exact
+    v = vocab
+    n = 2 * vocab   # the width; float64, so that TVDs far below 1e-7 are exact
     model = Transformer(Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm=norm)).double()
     attn = model.blocks[0].attn
     eye = torch.eye(v, dtype=torch.double)
@@ -817,7 +822,8 @@ def run_grid(runs, device, averages=("ema", "bema")):
     todo = [c for c in runs if astuple(c) not in old]
     print(f"{len(runs)} training runs on {device}, {workers} at a time" +
           (f"; {len(kept)} done before, in {RUNS_FILE}" if kept else ""), flush=True)
-    t0, done = time.time(), list(kept)
+    t0 = time.time()
+    done = list(kept)
     pool = None
     try:
         if workers > 1:
@@ -1063,7 +1069,8 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
         base = replace(base, **LONG_MODEL)
     norms = norms or (LONG_NORMS if long else tuple(NORMS))
     regimes = regimes or (LONG_REGIMES if long else REGIMES)
-    device, chosen = pick_device(base.device), None
+    device = pick_device(base.device)
+    chosen = None
     if lrs and len(lrs) > 1:
         done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device)
     else:
@@ -1071,7 +1078,8 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
         done, wall, workers = run_grid(compare_grid(base, norms, regimes), device)
     kept = [d for d in done
             if not chosen or d[0].lr == chosen[(d[0].norm, d[0].targets, d[0].lr_schedule)]]
-    rows, L, v = compare_rows(kept), base.train_len, base.vocab
+    rows = compare_rows(kept)
+    L, v = base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
     lines = compare_table(summary, L, v, norms)
     if full and not long:
@@ -1446,7 +1454,8 @@ def suite_pairs(done, L):
 
 
 def suite_table(done):
-    L, rows = done[0][0].train_len, []
+    L = done[0][0].train_len
+    rows = []
     for lang in SUITE_LANGUAGES:
         for norm in SUITE_NORMS:
             runs = [(c, r) for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
