@@ -454,6 +454,39 @@ def expect_exit_2(argv, flag, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
 
+def seed_0_gaps():
+    import json
+    runs = json.loads(read("plots/compare.json"))["runs"]
+    return {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs
+            if r["config"]["seed"] == 0 and r["config"]["targets"] == "sampled"
+            and r["config"]["lr_schedule"] == "constant"}
+
+
+def ema_curve(record, norm, key="tvd", **fixed):
+    """Mean over seeds of the EMA weights' per-length key, for the runs of record with that
+    placement, sampled targets and a constant rate (and the config values in fixed)."""
+    fixed = {"targets": "sampled", "lr_schedule": "constant", "norm": norm, **fixed}
+    runs = [r["ema"][key] for r in record["runs"]
+            if all(r["config"][k] == v for k, v in fixed.items())]
+    return [sum(c) / len(c) for c in zip(*runs)]
+
+
+def readme_exercise_commands():
+    """Every `python starter.py ...` line in the README's Exercises section (the reference
+    runs them here: the completed starter is the same script)."""
+    import pathlib
+    import shlex
+    text = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Exercises", 1)[1].split("\n## ", 1)[0]
+    return [shlex.split(line)[2:] for line in section.splitlines()
+            if line.startswith("python starter.py")]
+
+
+def student_file(tmp_path, monkeypatch, source):
+    (tmp_path / "mine.py").write_text(source, encoding="utf-8")
+    monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
+
+
 # ---- Part 1: the task (theory.md, section 1) ------------------------------------------------
 
 
@@ -2512,14 +2545,6 @@ def test_readme_results_rows_are_copied_from_the_generated_tables():
         assert row in generated, row
 
 
-def seed_0_gaps():
-    import json
-    runs = json.loads(read("plots/compare.json"))["runs"]
-    return {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs
-            if r["config"]["seed"] == 0 and r["config"]["targets"] == "sampled"
-            and r["config"]["lr_schedule"] == "constant"}
-
-
 def test_readme_prose_numbers_match_the_comparison():
     readme = " ".join(read("README.md").split())   # line breaks do not matter
     gap = seed_0_gaps()
@@ -2570,15 +2595,6 @@ def test_readme_prose_numbers_match_the_comparison():
     assert (cross["sampled, constant"], cross["sampled, cosine"], cross["exact, constant"],
             cross["exact, cosine"]) == (20, 22, 31, None)
     assert "`post` is below `pre-final` from s = 20 (constant rate) or 22 (cosine) on" in readme
-
-
-def ema_curve(record, norm, key="tvd", **fixed):
-    """Mean over seeds of the EMA weights' per-length key, for the runs of record with that
-    placement, sampled targets and a constant rate (and the config values in fixed)."""
-    fixed = {"targets": "sampled", "lr_schedule": "constant", "norm": norm, **fixed}
-    runs = [r["ema"][key] for r in record["runs"]
-            if all(r["config"][k] == v for k, v in fixed.items())]
-    return [sum(c) / len(c) for c in zip(*runs)]
 
 
 def test_readme_headline_caption_and_tuned_numbers_match_their_json():
@@ -2665,17 +2681,6 @@ def test_readme_search_numbers_match_plots_search_json():
     splits = ", ".join(f"{names[row[0]]} {row[2].split(' of ')[0]} | {row[3].split(' of ')[0]}"
                        for row in (line.strip("| ").split(" | ") for line in losses.splitlines()[2:]))
     assert splits.replace("v 7 | 10", "v 7 | 10 of 20", 1) in readme, splits
-
-
-def readme_exercise_commands():
-    """Every `python starter.py ...` line in the README's Exercises section (the reference
-    runs them here: the completed starter is the same script)."""
-    import pathlib
-    import shlex
-    text = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Exercises", 1)[1].split("\n## ", 1)[0]
-    return [shlex.split(line)[2:] for line in section.splitlines()
-            if line.startswith("python starter.py")]
 
 
 def test_readme_has_the_exercise_commands():
@@ -2900,11 +2905,6 @@ WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
                     ("- (logits * seen).sum(-1) / seen.sum(-1))",
                      "- (logits * seen).sum(-1) / T)")],
 }
-
-
-def student_file(tmp_path, monkeypatch, source):
-    (tmp_path / "mine.py").write_text(source, encoding="utf-8")
-    monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
 
 
 @pytest.mark.filterwarnings("ignore:graded")
