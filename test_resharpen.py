@@ -2676,11 +2676,13 @@ def test_readme_search_numbers_match_plots_search_json():
           for r in record["runs"][3 * i:3 * i + 3]] for i in range(R.SEARCH_N)],
         {R.astuple(R.Config(**{k: r["config"][k] for k in R.Config.__dataclass_fields__})): r
          for r in record["runs"]}))
-    names = {"v": "v", "L / v": "L / v", "heads": "heads", "lr": "learning rate",
+    names = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate",
              "batch": "batch", "steps": "steps"}
     splits = ", ".join(f"{names[row[0]]} {row[2].split(' of ')[0]} | {row[3].split(' of ')[0]}"
                        for row in (line.strip("| ").split(" | ") for line in losses.splitlines()[2:]))
-    assert splits.replace("v 7 | 10", "v 7 | 10 of 20", 1) in readme, splits
+    theory = " ".join(read("theory.md").split())
+    assert splits.replace("$v$ 7 | 10", "$v$ 7 | 10 of 20", 1) in theory, splits   # all six
+    assert "The six pre-specified splits (exploratory) are in the table and in theory.md" in readme
 
 
 def test_readme_has_the_exercise_commands():
