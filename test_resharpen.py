@@ -2315,6 +2315,8 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
     (["--targets", "soft"], "--targets"),
     (["--task", "dyck", "--compare"], "--task"),
     (["--compare", "--suite"], "--suite"),
+    (["--resume"], "--resume"),
+    (["--theory", "--resume"], "--resume"),
     (["--task", "shuffle", "--brackets", "0"], "--brackets"),
     (["--compare", "--vocab", "8", "--train-len", "4"], "--train-len"),
     (["--save", "SAVE/sub/"], "--save"),
