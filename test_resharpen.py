@@ -2610,7 +2610,8 @@ def test_readme_headline_caption_and_tuned_numbers_match_their_json():
     lo, hi = search["median_ratio_95"]
     for fragment in [
             f"their TVDs differ by {round(100 * (final[23] - post[23]) / final[23])} % "
-            f"({post[23]:.3f} and {final[23]:.3f}; sampled targets, constant rate, 3 seeds",
+            f"(`post` {post[23]:.3f}, `pre-final` {final[23]:.3f}; sampled targets, constant rate, "
+            "3 seeds",
             f"is {search['median_ratio']:.2f} (95 % interval {lo:.2f} \u2013 {hi:.2f})",
             f"`pre-final` is ahead there ({t_final[23]:.3f} against {t_post[23]:.3f})",
             f"`pre` climbs to {pre[30]:.2f}",
