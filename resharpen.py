@@ -652,7 +652,8 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     """Print a grid's table, ending with its size and time, and write it to name.md with the
     command that made it, its figures, and name.json: record and every run."""
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."
-    record.update(wall_seconds=round(wall, 1), runs=[{"config": asdict(c), **r} for c, r, _ in done])
+    record["wall_seconds"] = round(wall, 1)
+    record["runs"] = [{"config": asdict(c), **r} for c, r, _ in done]
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})

@@ -2424,13 +2424,14 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     resuming = False
     with pytest.raises(SystemExit):
         R.main(argv + ["--out", str(tmp_path / "cut")])
-    assert len((tmp_path / "cut" / "runs.jsonl").read_text(encoding="utf-8").splitlines()) == 2
+    text = lambda *path: tmp_path.joinpath(*path).read_text(encoding="utf-8")  # noqa: E731
+    assert len(text("cut", "runs.jsonl").splitlines()) == 2
     resuming = True
     R.main(argv + ["--out", str(tmp_path / "cut"), "--resume"])
     assert len(trained) == 6 and not (tmp_path / "cut" / "runs.jsonl").exists()
-    whole, cut = [json.loads((tmp_path / d / "compare.json").read_text(encoding="utf-8")) for d in ("whole", "cut")]
+    whole, cut = (json.loads(text(d, "compare.json")) for d in ("whole", "cut"))
     assert cut["runs"] == whole["runs"] and cut["summary"] == whole["summary"]
-    assert "--resume" not in (tmp_path / "cut" / "compare.md").read_text(encoding="utf-8").splitlines()[0]
+    assert "--resume" not in text("cut", "compare.md").splitlines()[0]
 
 
 def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
@@ -2495,8 +2496,7 @@ def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tm
     # committed JSON instead of training: the code must write the committed table again.
     import json
     import shlex
-    record = json.loads(read(os.path.join("plots", os.path.dirname(table),
-                                          table.replace(".md", ".json").split("/")[-1])))
+    record = json.loads(read(os.path.join("plots", table.replace(".md", ".json"))))
     runs = {R.astuple(R.Config(**r["config"])): {k: v for k, v in r.items() if k != "config"}
             for r in record["runs"]}
     walls = [record["wall_seconds"]]   # the first grid's wall: the record's; a second one's: 0
