@@ -651,7 +651,9 @@ def plot_panels(panels, train_len, n, ncol=4, overlay=None):
 def finish(out, name, text, command, details, figures, done, wall, workers, **record):
     """Print a grid's table, ending with its size and time, and write it to name.md with the
     command that made it, its figures, and name.json: record and every run."""
-    text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)."
+    text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
+        f", {RESUMED} of the runs from an interrupted command (their seconds / {workers} in the "
+        "wall)." if RESUMED else ".")
     record["wall_seconds"] = round(wall, 1)
     record["runs"] = [{"config": asdict(c), **r} for c, r, _ in done]
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
@@ -797,18 +799,26 @@ def grid_workers(runs, device):
     return min(cores or 1, len(runs)) if device == "cpu" else 1
 
 
-RUNS_FILE = None   # main() sets it to OUT/runs.jsonl: every finished run of a grid, one per line
+RUNS_FILE = None   # main() sets it to OUT/MODE.runs.jsonl: a grid's finished runs, one a line
+RESUMED = 0        # how many of them run_grid took from an interrupted command (--resume)
 
 
-def finished_runs():
-    """{astuple(config): (result, seconds)} of the runs in RUNS_FILE (--resume keeps them)."""
-    done = {}
+def finished_runs(device):
+    """{astuple(config): (result, seconds)} of the runs in RUNS_FILE trained on device. A line
+    that a kill cut short is dropped, and the file written again without it."""
+    done, whole = {}, []
     if RUNS_FILE and os.path.exists(RUNS_FILE):
         with open(RUNS_FILE, encoding="utf-8") as f:
             for line in f:
-                r = json.loads(line)
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                whole.append(line.rstrip("\n") + "\n")
                 cfg, seconds = Config(**r.pop("config")), r.pop("seconds")
-                done[astuple(cfg)] = (r, seconds)
+                if r.pop("device") == device:
+                    done[astuple(cfg)] = (r, seconds)
+        write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(whole), encoding="utf-8"))
     return done
 
 
@@ -817,9 +827,11 @@ def run_grid(runs, device, averages=("ema", "bema")):
     progress line per run; each finished run is appended to RUNS_FILE, and runs already there
     are not trained again (their seconds / workers count in the wall time). Returns (results in
     the order of runs, wall seconds, workers)."""
+    global RESUMED
     workers = grid_workers(runs, device)
-    old = finished_runs()
+    old = finished_runs(device)
     kept = [(c, *old[astuple(c)]) for c in runs if astuple(c) in old]
+    RESUMED += len(kept)
     todo = [c for c in runs if astuple(c) not in old]
     print(f"{len(runs)} training runs on {device}, {workers} at a time" +
           (f"; {len(kept)} done before, in {RUNS_FILE}" if kept else ""), flush=True)
@@ -841,8 +853,8 @@ def run_grid(runs, device, averages=("ema", "bema")):
             done.append((cfg, result, seconds))
             if RUNS_FILE:
                 with open(RUNS_FILE, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"config": asdict(cfg), "seconds": seconds, **result})
-                            + "\n")
+                    f.write(json.dumps({"config": asdict(cfg), "device": device,
+                                        "seconds": seconds, **result}) + "\n")
             left = math.ceil((len(runs) - len(done)) / workers)
             eta = mean([d[2] for d in done]) * left
             tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
@@ -1688,7 +1700,7 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--regimes", choice_list(REGIMES), "--compare, --long: only these regimes, such as "
      "sampled/constant,exact/cosine"),
     ("--resume", bool, "a grid: keep the runs that an interrupted command recorded in "
-     "OUT/runs.jsonl (each grid appends every finished run there)"),
+     "OUT/MODE.runs.jsonl (each grid appends every finished run there)"),
 ]
 MODES = [   # (flag, help); at most one
     ("--compare", f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
@@ -1834,6 +1846,10 @@ def prepare_folders(args, bad):
             bad(f"{flag} {path!r}: {e.strerror or e}")
 
 
+def resumable():   # whether an interrupted grid left finished runs for --resume
+    return bool(RUNS_FILE) and os.path.exists(RUNS_FILE)
+
+
 def stop(message, code):
     print(f"resharpen.py: {message}", file=sys.stderr)
     sys.exit(code)
@@ -1851,8 +1867,10 @@ def main(argv=None):
     shown = [a for i, a in enumerate(argv) if not (a in ("--out", "--resume") or a.startswith(
         "--out=") or i and argv[i - 1] == "--out")]   # what changes no number
     command = shlex.join(["python", "resharpen.py"] + shown)   # for the tables
-    global RUNS_FILE
-    RUNS_FILE = os.path.join(out, "runs.jsonl") if mode not in (None, "theory", "handout") else None
+    global RUNS_FILE, RESUMED
+    RUNS_FILE = None if mode in (None, "theory", "handout") else os.path.join(out,
+                                                                          f"{mode}.runs.jsonl")
+    RESUMED = 0
     if RUNS_FILE and not args.resume and os.path.exists(RUNS_FILE):
         os.remove(RUNS_FILE)   # an earlier command's runs, not asked for
     try:
@@ -1871,9 +1889,12 @@ def main(argv=None):
         else:
             run_one(cfg, out, args.save)
     except KeyboardInterrupt:
-        stop("interrupted (Ctrl-C); the files already written are whole", 130)
+        resume = "; the same command with --resume keeps the finished runs"
+        stop("interrupted (Ctrl-C); the files already written are whole" + (
+            resume if resumable() else ""), 130)
     except FloatingPointError as e:
-        stop(f"stopped: {e}; try a smaller --lr. Nothing was written.", 1)
+        where = f"The finished runs are in {RUNS_FILE}." if resumable() else "Nothing was written."
+        stop(f"stopped: {e}; try a smaller --lr. {where}", 1)
     except (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)):   # torch < 2.5
         stop("out of memory; try a smaller --batch-size, --vocab or --n-embd", 1)
     finally:

@@ -2406,8 +2406,9 @@ def test_ctrl_c_during_training_exits_130_with_one_line(monkeypatch, capsys, tmp
 
 
 def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_path):
-    # Ctrl-C after two runs: both are in OUT/runs.jsonl; --resume trains only the others and
-    # writes what one uninterrupted command writes; the file goes once the record is written.
+    # Ctrl-C after two runs: both are in OUT/compare.runs.jsonl (and a line cut short after
+    # them is dropped); --resume trains only the others and writes what one uninterrupted
+    # command writes; the file goes once the record is written.
     import json
     skip_rendering(monkeypatch)
     monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
@@ -2424,11 +2425,15 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     resuming = False
     with pytest.raises(SystemExit):
         R.main(argv + ["--out", str(tmp_path / "cut")])
+    assert "--resume keeps the finished runs" in capsys.readouterr().err
     text = lambda *path: tmp_path.joinpath(*path).read_text(encoding="utf-8")  # noqa: E731
-    assert len(text("cut", "runs.jsonl").splitlines()) == 2
+    assert len(text("cut", "compare.runs.jsonl").splitlines()) == 2
+    with open(tmp_path / "cut" / "compare.runs.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"config": {"vocab": 3')   # a third line, cut short by a kill: dropped
     resuming = True
     R.main(argv + ["--out", str(tmp_path / "cut"), "--resume"])
-    assert len(trained) == 6 and not (tmp_path / "cut" / "runs.jsonl").exists()
+    assert len(trained) == 6 and not (tmp_path / "cut" / "compare.runs.jsonl").exists()
+    assert "2 of the runs from an interrupted command" in text("cut", "compare.md")
     whole, cut = (json.loads(text(d, "compare.json")) for d in ("whole", "cut"))
     assert cut["runs"] == whole["runs"] and cut["summary"] == whole["summary"]
     assert "--resume" not in text("cut", "compare.md").splitlines()[0]
