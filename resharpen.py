@@ -652,8 +652,8 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     """Print a grid's table, ending with its size and time, and write it to name.md with the
     command that made it, its figures, and name.json: record and every run."""
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
-        f", {RESUMED} of the runs from an interrupted command (their seconds / {workers} in the "
-        "wall)." if RESUMED else ".")
+        f", {RESUMED} of them resumed from an interrupted command (the wall counts their own "
+        f"seconds / {workers})." if RESUMED else ".")
     record["wall_seconds"] = round(wall, 1)
     record["runs"] = [{"config": asdict(c), **r} for c, r, _ in done]
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
@@ -816,7 +816,7 @@ def finished_runs(device):
                     continue
                 whole.append(line.rstrip("\n") + "\n")
                 cfg, seconds = Config(**r.pop("config")), r.pop("seconds")
-                if r.pop("device") == device:
+                if r.pop("device", None) == device:
                     done[astuple(cfg)] = (r, seconds)
         write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(whole), encoding="utf-8"))
     return done

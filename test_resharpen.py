@@ -2433,7 +2433,8 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     resuming = True
     R.main(argv + ["--out", str(tmp_path / "cut"), "--resume"])
     assert len(trained) == 6 and not (tmp_path / "cut" / "compare.runs.jsonl").exists()
-    assert "2 of the runs from an interrupted command" in text("cut", "compare.md")
+    assert "worker process(es), 2 of them resumed from an interrupted command" in text(
+        "cut", "compare.md")
     whole, cut = (json.loads(text(d, "compare.json")) for d in ("whole", "cut"))
     assert cut["runs"] == whole["runs"] and cut["summary"] == whole["summary"]
     assert "--resume" not in text("cut", "compare.md").splitlines()[0]
