@@ -2467,7 +2467,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")   # restored afterwards
     monkeypatch.setattr(sys, "argv", ["resharpen.py", "--theory", "--vocab", "4", "--train-len",
                                       "2", "--out", str(tmp_path)])
-    with open(write_end, "w", buffering=1) as pipe:
+    with open(write_end, "w", buffering=1, encoding="utf-8") as pipe:
         monkeypatch.setattr(sys, "stdout", pipe)
         with pytest.raises(SystemExit) as stopped:
             runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
