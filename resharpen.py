@@ -659,7 +659,7 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
-    if RUNS_FILE and os.path.exists(RUNS_FILE):
+    if resumable():
         os.remove(RUNS_FILE)   # every run is in the JSON record now
     print(f"wrote {', '.join(written)}" + (f" | {wall:.0f}s" if wall is not None else ""))
 
@@ -803,11 +803,15 @@ RUNS_FILE = None   # main() sets it to OUT/MODE.runs.jsonl: a grid's finished ru
 RESUMED = 0        # how many of them run_grid took from an interrupted command (--resume)
 
 
+def resumable():   # whether an interrupted grid left finished runs for --resume
+    return bool(RUNS_FILE) and os.path.exists(RUNS_FILE)
+
+
 def finished_runs(device):
     """{astuple(config): (result, seconds)} of the runs in RUNS_FILE trained on device. A line
     that a kill cut short is dropped, and the file written again without it."""
     done, whole = {}, []
-    if RUNS_FILE and os.path.exists(RUNS_FILE):
+    if resumable():
         with open(RUNS_FILE, encoding="utf-8") as f:
             for line in f:
                 try:
@@ -1846,10 +1850,6 @@ def prepare_folders(args, bad):
             bad(f"{flag} {path!r}: {e.strerror or e}")
 
 
-def resumable():   # whether an interrupted grid left finished runs for --resume
-    return bool(RUNS_FILE) and os.path.exists(RUNS_FILE)
-
-
 def stop(message, code):
     print(f"resharpen.py: {message}", file=sys.stderr)
     sys.exit(code)
@@ -1871,7 +1871,7 @@ def main(argv=None):
     RUNS_FILE = None if mode in (None, "theory", "handout") else os.path.join(out,
                                                                           f"{mode}.runs.jsonl")
     RESUMED = 0
-    if RUNS_FILE and not args.resume and os.path.exists(RUNS_FILE):
+    if resumable() and not args.resume:
         os.remove(RUNS_FILE)   # an earlier command's runs, not asked for
     try:
         if mode == "handout":
