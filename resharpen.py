@@ -826,11 +826,12 @@ def finished_runs(device):
     return done
 
 
-def run_grid(runs, device, averages=("ema", "bema")):
+def run_grid(runs, device, averages=("ema", "bema"), later=0):
     """Train and evaluate every run, on every core at once (one thread each), with a
-    progress line per run; each finished run is appended to RUNS_FILE, and runs already there
-    are not trained again (their seconds / workers count in the wall time). Returns (results in
-    the order of runs, wall seconds, workers)."""
+    progress line per run (its ETA counts `later` runs of a next stage too); each finished run
+    is appended to RUNS_FILE, and runs already there are not trained again (their seconds /
+    workers count in the wall time). Returns (results in the order of runs, wall seconds,
+    workers)."""
     global RESUMED
     workers = grid_workers(runs, device)
     old = finished_runs(device)
@@ -859,7 +860,7 @@ def run_grid(runs, device, averages=("ema", "bema")):
                 with open(RUNS_FILE, "a", encoding="utf-8") as f:
                     f.write(json.dumps({"config": asdict(cfg), "device": device,
                                         "seconds": seconds, **result}) + "\n")
-            left = math.ceil((len(runs) - len(done)) / workers)
+            left = math.ceil((len(runs) - len(done) + later) / workers)
             eta = mean([d[2] for d in done]) * left
             tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
                             for a, m in result.items())
@@ -896,7 +897,9 @@ def tune_rates(base, norms, regimes, lrs, device):
     """Each placement in each regime trains at every rate on the first seed; the rate with
     the lowest training-length TVD (EMA weights) is chosen, and the other seeds train at it.
     Returns (every run, wall, workers, {(norm, targets, schedule): chosen rate})."""
-    first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device)
+    stage2 = len(norms) * len(regimes) * (COMPARE_SEEDS - 1)   # counted in the ETA
+    first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device,
+                                    later=stage2)
     key = lambda c: (c.norm, c.targets, c.lr_schedule)  # noqa: E731
     chosen = {}
     for c, r, _ in sorted(first, key=lambda d: summarize(d[1]["ema"], base.train_len)["tvd_train"]):

@@ -2440,6 +2440,21 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     assert "--resume" not in text("cut", "compare.md").splitlines()[0]
 
 
+def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
+    # 2 placements x 1 regime x 2 rates on the first seed, then 2 x 1 x 2 more seeds at the
+    # chosen rates; every run "takes" 10 s in 1 worker, so after the first run 7 remain: 70 s.
+    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
+    metrics = {"length": [1, 2, 3], "tvd": [0.1, 0.2, 0.3]}
+    monkeypatch.setattr(R, "train_and_evaluate", lambda cfg, *a, **k: (
+        cfg, {"raw": metrics, "ema": metrics, "bema": metrics}, 10.0))
+    base = R.Config(vocab=4, train_len=1, device="cpu")
+    done, _, _, _ = R.tune_rates(base, ("pre", "post"), (("exact", "cosine"),), [1e-3, 1e-2],
+                                 "cpu")
+    etas = [line.rsplit("ETA ", 1)[1] for line in capsys.readouterr().out.splitlines()
+            if "ETA" in line]
+    assert len(done) == 8 and etas == ["70s", "60s", "50s", "40s", "30s", "20s", "10s", "0s"]
+
+
 def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
     # README, "Threads": run as a script, GOMP_SPINCOUNT=1000 unless the user set one;
     # imported (tests, notebooks), the file changes nothing.
