@@ -2522,7 +2522,7 @@ def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tm
             for r in record["runs"]}
     walls = [record["wall_seconds"]]   # the first grid's wall: the record's; a second one's: 0
 
-    def from_json(configs, device, averages=None):
+    def from_json(configs, device, averages=None, later=0):
         return [(c, runs[R.astuple(c)], 0.0) for c in configs], walls.pop() if walls else 0.0, 2
     skip_rendering(monkeypatch)
     monkeypatch.setattr(R, "run_grid", from_json)
