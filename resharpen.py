@@ -661,7 +661,7 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
     if resumable():
         os.remove(RUNS_FILE)   # every run is in the JSON record now
-    print(f"wrote {', '.join(written)}" + (f" | {wall:.0f}s" if wall is not None else ""))
+    print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
 
 # ----------------------------------------------------------------------------- main command
