@@ -24,7 +24,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 if __name__ == "__main__":   # before torch loads: idle threads soon sleep (README, "Threads")
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 # ======================================== Part 1: the paper on Set Complement (every default here)
 
 
-@dataclass
+@dataclass(frozen=True)   # a value: change it with replace(cfg, field=...)
 class Config:
     vocab: int = 32           # v: tokens are 0 .. v-1
     train_len: int = 12       # train on prefixes of length s = 1 .. train_len
@@ -507,8 +507,10 @@ class Language:
         return self.sample(n, 4 * self.cfg.train_len, g)
 
     def loss_floor(self):
-        """The target's entropy over the training positions, estimated on 2000 fixed streams."""
-        p = self.target(self.eval_inputs(2000)[:, : self.cfg.train_len], torch.double)
+        """The target's entropy over the training positions, estimated on the first train_len
+        tokens of 2000 fixed streams (eval_inputs', drawn token by token from the same seed)."""
+        g = torch.Generator().manual_seed(EVAL_SEED)
+        p = self.target(self.sample(2000, self.cfg.train_len, g), torch.double)
         return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
 
 
@@ -808,7 +810,7 @@ def resumable():   # whether an interrupted grid left finished runs for --resume
 
 
 def finished_runs(device):
-    """{astuple(config): (result, seconds)} of the runs in RUNS_FILE trained on device. A line
+    """{config: (result, seconds)} of the runs in RUNS_FILE trained on device. A line
     that a kill cut short is dropped, and the file written again without it."""
     done, whole = {}, []
     if resumable():
@@ -821,7 +823,7 @@ def finished_runs(device):
                 whole.append(line.rstrip("\n") + "\n")
                 cfg, seconds = Config(**r.pop("config")), r.pop("seconds")
                 if r.pop("device", None) == device:
-                    done[astuple(cfg)] = (r, seconds)
+                    done[cfg] = (r, seconds)
         write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(whole), encoding="utf-8"))
     return done
 
@@ -835,9 +837,9 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
     global RESUMED
     workers = grid_workers(runs, device)
     old = finished_runs(device)
-    kept = [(c, *old[astuple(c)]) for c in runs if astuple(c) in old]
+    kept = [(c, *old[c]) for c in runs if c in old]
     RESUMED += len(kept)
-    todo = [c for c in runs if astuple(c) not in old]
+    todo = [c for c in runs if c not in old]
     print(f"{len(runs)} training runs on {device}, {workers} at a time" +
           (f"; {len(kept)} done before, in {RUNS_FILE}" if kept else ""), flush=True)
     t0 = time.time()
@@ -1235,7 +1237,7 @@ def search_arms(runs, results):
     training-length TVD (EMA weights)."""
     best = {}
     for c in runs:
-        r = results[astuple(c)]
+        r = results[c]
         t = summarize(r["ema"], c.train_len)["tvd_train"]
         if c.norm not in best or t < best[c.norm][0]:
             best[c.norm] = (t, c, r)
@@ -1280,8 +1282,10 @@ def wilcoxon(diffs):
     return min(1.0, extreme / 2**n)
 
 
+@functools.lru_cache(maxsize=None)   # the same values recur in several subgroups
 def bootstrap_median(xs, reps=10000, seed=0):
-    """Median of xs and its 95 % percentile-bootstrap interval (fixed seed: reproducible)."""
+    """Median of the tuple xs and its 95 % percentile-bootstrap interval (fixed seed:
+    reproducible)."""
     g = random.Random(seed)
     meds = sorted(statistics.median(g.choices(xs, k=len(xs))) for _ in range(reps))
     return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
@@ -1307,7 +1311,7 @@ def search_stats(pairs):
     n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
     if n == 0:
         return {"n": 0}
-    med, lo, hi = bootstrap_median(logs)
+    med, lo, hi = bootstrap_median(tuple(logs))
     return {"n": n, "post_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
             "sign_p": sign_test(k, n - ties) if n > ties else 1.0, "wilcoxon_p": wilcoxon(logs),
             "median_ratio": math.exp(med), "median_ratio_95": (math.exp(lo), math.exp(hi))}
@@ -1382,8 +1386,8 @@ def search_text(configs, results, n, lrs):
                      [[f"`{rival}`", AVERAGE_LABELS[avg], group, fmt(st)]
                       for rival in h for avg in ("ema", "raw")
                       for group, st in h[rival][avg].items() if st["n"]])
-    tvd = lambda c, s: results[astuple(c)]["ema"]["tvd"][s - 1]  # noqa: E731
-    train = lambda c: summarize(results[astuple(c)]["ema"], c.train_len)["tvd_train"]  # noqa
+    tvd = lambda c, s: results[c]["ema"]["tvd"][s - 1]  # noqa: E731
+    train = lambda c: summarize(results[c]["ema"], c.train_len)["tvd_train"]  # noqa
     arms = list(search_arms(configs[0], results))
     rows = []
     for i, runs in enumerate(configs):
@@ -1415,7 +1419,7 @@ def search(base, out, n, command, lrs=None):
     configs = search_configs(n, base.seed, lrs)
     runs = [cfg for group in configs for cfg in group]
     done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
-    results = {astuple(c): r for c, r, _ in done}
+    results = {c: r for c, r, _ in done}
     summary, text = search_text(configs, results, n, lrs)
     text += "\n\n"
     details = (f"seed {base.seed}; ranges in `search_configs`; protocol in theory.md, "
