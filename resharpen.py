@@ -1330,7 +1330,7 @@ def search_summary(configs, results):
 
 
 def search_losses(configs, results):
-    """Where post loses the primary endpoint: for each drawn setting, post's win rate in the
+    """Where post wins the primary endpoint: for each drawn setting, post's win rate in the
     configurations below and above its median (exploratory: six splits, none corrected)."""
     logs = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")]
     settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
@@ -1408,8 +1408,8 @@ def search_text(configs, results, n, lrs):
         f"{p['median_ratio']:.2f} (95 % bootstrap interval {p['median_ratio_95'][0]:.2f} - "
         f"{p['median_ratio_95'][1]:.2f}).\n\n"
         "### Every endpoint, overall and by training TVD\n\n" + "\n".join(lines) +
-        "\n\n### Where post loses to pre-final (primary endpoint, split at each setting's "
-        "median)\n\n" + "\n".join(search_losses(configs, results)) +
+        "\n\n### Where post wins against pre-final (primary endpoint, split at each setting's "
+        "median; exploratory)\n\n" + "\n".join(search_losses(configs, results)) +
         "\n\n### Every configuration (EMA weights)\n\n" + "\n".join(configurations))
 
 
