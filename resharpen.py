@@ -430,45 +430,6 @@ def average_name(cfg):
 # END. A stream is a run of strings, each ended by END, after which the next string starts
 # from the empty state; so every position has an exact next-token distribution, given by a
 # small automaton (theory.md, Appendix D).
-def language_state(cfg, n):
-    """The automaton's state for n rows, before any token."""
-    return {"count": torch.zeros(n, cfg.brackets, dtype=torch.long),   # opens - closes, per type
-            "stack": torch.zeros(n, cfg.max_depth, dtype=torch.long),  # open types, bottom first
-            "depth": torch.zeros(n, dtype=torch.long)}
-
-
-def language_next(cfg, state, dtype=torch.float):
-    """The exact distribution of the next token of every row, (n, 2k + 1).
-    dyck (Hewitt et al. 2020): empty stack: each open 1/(2k), END 1/2; full stack (depth D):
-      only the matching close; otherwise each open 1/(2k), the matching close 1/2.
-    shuffle (Bhattamishra et al. 2020): uniform over every open, every close whose counter
-      is above 0, and END when all counters are 0."""
-    k, depth = cfg.brackets, state["depth"]
-    if cfg.task == "shuffle":
-        legal = torch.cat([torch.ones_like(state["count"]), state["count"] > 0,
-                           (state["count"] == 0).all(1, keepdim=True)], dim=1).to(dtype)
-        return legal / legal.sum(1, keepdim=True)
-    empty, full = depth == 0, depth == cfg.max_depth
-    top = state["stack"].gather(1, (depth - 1).clamp(min=0)[:, None])      # (n, 1)
-    p = torch.zeros(len(depth), 2 * k + 1, dtype=dtype)
-    p[:, :k] = torch.where(full, 0.0, 1 / (2 * k)).to(dtype)[:, None]
-    p[:, 2 * k] = torch.where(empty, 0.5, 0.0).to(dtype)
-    close = torch.where(empty, 0.0, torch.where(full, 1.0, 0.5)).to(dtype)
-    return p.scatter(1, k + top, close[:, None])   # an empty stack's 'close' writes a 0
-
-
-def language_step(cfg, state, tok):
-    """Advance every row's automaton by one token (n,)."""
-    k = cfg.brackets
-    sign = (tok < k).long() - ((tok >= k) & (tok < 2 * k)).long()   # +1 open, -1 close, 0 END
-    kind = tok % k
-    slot = state["depth"].clamp(0, cfg.max_depth - 1)[:, None]
-    pushed = torch.where(sign > 0, kind, state["stack"].gather(1, slot)[:, 0])
-    state["stack"].scatter_(1, slot, pushed[:, None])
-    state["depth"] = (state["depth"] + sign).clamp(0, cfg.max_depth)
-    state["count"] += F.one_hot(kind, k) * sign[:, None]
-
-
 def language_config(base=None, **changes):
     """A Config for a language: its vocabulary is always 2k + 1 (k opens, k closes, END)."""
     cfg = replace(base or Config(), **changes)
@@ -484,21 +445,58 @@ class Language:
         self.name = (f"Dyck-({cfg.brackets}, {cfg.max_depth})" if cfg.task == "dyck"
                      else f"Shuffle-{cfg.brackets}")
 
+    def start(self, n):
+        """The automaton's state for n rows, before any token."""
+        k, D = self.cfg.brackets, self.cfg.max_depth
+        return {"count": torch.zeros(n, k, dtype=torch.long),   # opens - closes, per type
+                "stack": torch.zeros(n, D, dtype=torch.long),   # open types, bottom first
+                "depth": torch.zeros(n, dtype=torch.long)}
+
+    def distribution(self, state, dtype=torch.float):
+        """The exact distribution of the next token of every row, (n, 2k + 1).
+        dyck (Hewitt et al. 2020): empty stack: each open 1/(2k), END 1/2; full stack (depth D):
+          only the matching close; otherwise each open 1/(2k), the matching close 1/2.
+        shuffle (Bhattamishra et al. 2020): uniform over every open, every close whose counter
+          is above 0, and END when all counters are 0."""
+        k, depth = self.cfg.brackets, state["depth"]
+        if self.cfg.task == "shuffle":
+            legal = torch.cat([torch.ones_like(state["count"]), state["count"] > 0,
+                               (state["count"] == 0).all(1, keepdim=True)], dim=1).to(dtype)
+            return legal / legal.sum(1, keepdim=True)
+        empty, full = depth == 0, depth == self.cfg.max_depth
+        top = state["stack"].gather(1, (depth - 1).clamp(min=0)[:, None])      # (n, 1)
+        p = torch.zeros(len(depth), 2 * k + 1, dtype=dtype)
+        p[:, :k] = torch.where(full, 0.0, 1 / (2 * k)).to(dtype)[:, None]
+        p[:, 2 * k] = torch.where(empty, 0.5, 0.0).to(dtype)
+        close = torch.where(empty, 0.0, torch.where(full, 1.0, 0.5)).to(dtype)
+        return p.scatter(1, k + top, close[:, None])   # an empty stack's 'close' writes a 0
+
+    def step(self, state, tok):
+        """Advance every row's automaton by one token (n,)."""
+        k, D = self.cfg.brackets, self.cfg.max_depth
+        sign = (tok < k).long() - ((tok >= k) & (tok < 2 * k)).long()   # +1 open, -1 close, 0 END
+        kind = tok % k
+        slot = state["depth"].clamp(0, D - 1)[:, None]
+        pushed = torch.where(sign > 0, kind, state["stack"].gather(1, slot)[:, 0])
+        state["stack"].scatter_(1, slot, pushed[:, None])
+        state["depth"] = (state["depth"] + sign).clamp(0, D)
+        state["count"] += F.one_hot(kind, k) * sign[:, None]
+
     def sample(self, n, T, generator=None):
         """n streams of T tokens, each token drawn from the automaton's distribution."""
-        state, tokens = language_state(self.cfg, n), []
+        state, tokens = self.start(n), []
         for _ in range(T):
-            tok = torch.multinomial(language_next(self.cfg, state), 1, generator=generator)[:, 0]
-            language_step(self.cfg, state, tok)
+            tok = torch.multinomial(self.distribution(state), 1, generator=generator)[:, 0]
+            self.step(state, tok)
             tokens.append(tok)
         return torch.stack(tokens, dim=1)
 
     def target(self, idx, dtype=torch.float):
         """The exact next-token distribution after every prefix: (B, T) -> (B, T, v)."""
-        state, out = language_state(self.cfg, idx.shape[0]), []
+        state, out = self.start(idx.shape[0]), []
         for t in range(idx.shape[1]):
-            language_step(self.cfg, state, idx[:, t].cpu())
-            out.append(language_next(self.cfg, state, dtype))
+            self.step(state, idx[:, t].cpu())
+            out.append(self.distribution(state, dtype))
         return torch.stack(out, dim=1).to(idx.device)
 
     def eval_inputs(self, n):
@@ -1815,12 +1813,11 @@ def check_args(args, parser):
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
                     if getattr(args, k, None) is not None})
     cfg = language_config(cfg) if language else cfg
-    top = {"compare": (cfg.vocab - 1) // 2, "alternatives": cfg.vocab - 2, "suite": 256}.get(
-        mode, 256 if language else cfg.vocab - 1)
+    top, why = (256, "a language's limit") if language or mode == "suite" else {
+        "compare": ((cfg.vocab - 1) // 2, "--compare tests 2 x --train-len"),
+        "alternatives": (cfg.vocab - 2, "it needs a longer length")}.get(mode, (cfg.vocab - 1,
+                                                                               "v - 1"))
     if mode not in ("long", "search", "handout") and cfg.train_len > top:
-        why = {"compare": "--compare tests 2 x --train-len", "alternatives": "it needs a longer "
-               "length", "suite": "a language's limit"}.get(mode, "a language's limit" if
-                                                               language else "v - 1")
         bad(f"--train-len must be at most {top} ({why}), got {cfg.train_len}")
     if mode == "theory" and cfg.vocab > 256:
         bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
