@@ -651,10 +651,11 @@ def plot_panels(panels, train_len, n, ncol=4, overlay=None):
 def finish(out, name, text, command, details, figures, done, wall, workers, **record):
     """Print a grid's table, ending with its size and time, and write it to name.md with the
     command that made it, its figures, and name.json: record and every run."""
+    wall = round(wall, 1)   # the table's seconds are the JSON's
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
         f", {RESUMED} of them resumed from an interrupted command (the wall counts their own "
         f"seconds / {workers})." if RESUMED else ".")
-    record["wall_seconds"] = round(wall, 1)
+    record["wall_seconds"] = wall
     record["runs"] = [{"config": asdict(c), **r} for c, r, _ in done]
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)

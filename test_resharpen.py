@@ -2512,7 +2512,7 @@ def test_the_tables_name_every_flag_that_was_given(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("table", ["compare.md", "long.md", "alternatives.md", "search.md",
                                    "suite.md", "tuned/compare.md", "depth2/compare.md",
-                                   "search_tuned/search.md"])
+                                   "depth4/compare.md", "search_tuned/search.md"])
 def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
                                                                       monkeypatch, capsys):
     # Rerun the command named in the table's first line with run_grid answering from the
@@ -2651,8 +2651,7 @@ def test_readme_headline_caption_and_tuned_numbers_match_their_json():
             f"({post[30]:.3f} against {final[30]:.3f})",
             "Chosen: " + ", ".join(f"`{n}` {chosen[n]:g}" for n in ("pre", "pre-final", "post")),
             f"`post` below `pre-final` from s = {tuned['summary']['sampled, constant']['crossover']['ema']} "
-            f"(at s = 31: {t_post[30]:.3f} against {t_final[30]:.3f})",
-            f"({ema_curve(tuned, 'post', lr=0.001, seed=0)[23]:.4f} at 2 L with 0.001, seed 0)"]:
+            f"(at s = 31: {t_post[30]:.3f} against {t_final[30]:.3f})"]:
         assert fragment in readme, fragment
     summary = tuned["summary"]["sampled, constant"]
     for norm in ("pre", "pre-final", "post"):
@@ -2661,30 +2660,53 @@ def test_readme_headline_caption_and_tuned_numbers_match_their_json():
         assert f"`{norm}` {cells[0]:.4f} / {cells[1]:.4f}" in readme
 
 
-def test_readme_depth_numbers_match_plots_depth2():
+def test_readme_depth_numbers_match_plots_depth2_and_depth4():
+    # Appendix F.2, P8: train / 2 L per placement and regime at two and four layers, and the
+    # per-layer attention entropy minus log s (mean over the seeds at the chosen rates).
     import json
     readme = " ".join(read("README.md").split())
-    record = json.loads(read("plots/depth2/compare.json"))
-    cells = {}
-    for regime, row in record["summary"].items():
-        for norm in ("pre", "pre-final", "post"):
-            ema = row[norm]["ema"]
-            cells[regime, norm] = " / ".join(f"{sum(ema[c]) / 3:.4f}"
-                                              for c in ("training lengths", "s = 24 (2 L)"))
+    cells, entropy, walls = {}, {}, {}
+    for depth, layers in (("depth2", 2), ("depth4", 4)):
+        record = json.loads(read(f"plots/{depth}/compare.json"))
+        for regime, row in record["summary"].items():
+            cells[depth, regime] = ", ".join(" / ".join(
+                f"{sum(row[norm]['ema'][c]) / 3:.4f}" for c in ("training lengths", "s = 24 (2 L)"))
+                for norm in ("pre", "pre-final", "post"))
+        runs = {}
+        for r in record["runs"]:
+            c = r["config"]
+            key = f"{c['norm']}, {c['targets']}, {c['lr_schedule']}"
+            if c["lr"] == record["chosen_lr"][key]:
+                runs.setdefault(key, []).append(r["ema"])
+        for key, ms in runs.items():
+            for layer in range(1, layers + 1):
+                dev = [[h - u for h, u in zip(m[f"attn_entropy_layer{layer}"], m["log_positions"])]
+                       for m in ms]
+                entropy[depth, key, layer] = min(sum(d) / len(d) for d in zip(*dev))
+        walls[depth] = record["wall_seconds"]
+    assert (f"--out plots/depth2`: {walls['depth2'] / 60:.0f} min" in readme
+            and f"`--out plots/depth4`: {walls['depth4'] / 3600:.1f} h" in readme)
     sc, ec = "sampled, constant", "exact, cosine"
-    assert (f"`pre` {cells[sc, 'pre']}, `pre-final` {cells[sc, 'pre-final']}, `post` "
-            f"{cells[sc, 'post']}; exact, cosine: {cells[ec, 'pre']}, {cells[ec, 'pre-final']}, "
-            f"{cells[ec, 'post']}") in readme
-    entropy = {}
-    for r in record["runs"]:
-        c = r["config"]
-        if c["lr"] == record["chosen_lr"][f"{c['norm']}, {c['targets']}, {c['lr_schedule']}"]:
-            for layer in (1, 2):
-                dev = [h - u for h, u in zip(r["ema"][f"attn_entropy_layer{layer}"],
-                                             r["ema"]["log_positions"])]
-                entropy[layer] = min(entropy.get(layer, 0), min(dev))
-    assert -0.07 <= entropy[1] and round(-entropy[2], 1) == 3.4
-    assert "within 0.07 nats of log s), the second focuses (down to 3.4 nats below)" in readme
+    assert (f"two layers: {cells['depth2', sc]} (sampled, constant) and {cells['depth2', ec]} "
+            f"(exact, cosine); four: {cells['depth4', sc]} and {cells['depth4', ec]}.") in readme
+    first = {d: -min(v for (dd, _, layer), v in entropy.items() if dd == d and layer == 1)
+             for d in ("depth2", "depth4")}
+    later = -min(v for (_, _, layer), v in entropy.items() if layer > 1)
+    final = -min(v for (d, key, layer), v in entropy.items()
+                 if d == "depth4" and key == "pre-final, sampled, constant")
+    others = -max(v for (d, key, layer), v in entropy.items()
+                  if layer > 1 and key != "pre-final, sampled, constant")
+    assert first["depth2"] <= 0.07 and first["depth4"] <= 0.15 and round(later, 1) == 3.4
+    assert final <= 0.11 < 1 < others   # pre-final's layers, sampled: the only uniform ones
+    assert ("First layers attend almost uniformly (within 0.07 and 0.15 nats of log s), later ones "
+            "focus (to 3.4 nats below; not `pre-final`'s, sampled)") in readme
+    theory = " ".join(read("theory.md").split())
+    four = [cells["depth4", r].split(", ") for r in (sc, ec)]
+    assert (f"{four[0][0]} (`pre`), {four[0][1]} (`pre-final`), {four[0][2]} (`post`) with sampled "
+            f"targets and a constant rate; {', '.join(four[1])} with exact targets") in theory
+    assert f"The 30 runs took {walls['depth4'] / 3600:.1f} hours" in theory
+    assert "layers 2–4 focus, down to 3.4 nats below $\\log s$, except with `pre-final` and " \
+        "sampled targets, where every layer stays within 0.11 nats" in theory
 
 
 def test_readme_search_numbers_match_plots_search_json():
@@ -2790,6 +2812,17 @@ def test_readme_tuned_search_numbers_match_plots_search_tuned():
                       if name in names)]:
         assert fragment in theory, fragment
     assert [row[3] for row in splits if row[0] == "lr"] == ["-"]   # "it splits nothing"
+
+
+def test_readme_gives_the_number_of_tests():
+    # Counted from this file: each test function, times the values of each of its parametrizes.
+    n = 0
+    for name, f in globals().items():
+        if name.startswith("test_") and callable(f):
+            n += math.prod(len(m.args[1]) for m in getattr(f, "pytestmark", [])
+                           if m.name == "parametrize")
+    readme = " ".join(read("README.md").split())
+    assert f"`python -m pytest -q` runs {n} tests" in readme
 
 
 def test_readme_has_the_exercise_commands():
