@@ -2665,7 +2665,7 @@ def test_readme_depth_numbers_match_plots_depth2_and_depth4():
     # per-layer attention entropy minus log s (mean over the seeds at the chosen rates).
     import json
     readme = " ".join(read("README.md").split())
-    cells, entropy, walls = {}, {}, {}
+    cells, entropy, walls, tvd = {}, {}, {}, {}
     for depth, layers in (("depth2", 2), ("depth4", 4)):
         record = json.loads(read(f"plots/{depth}/compare.json"))
         for regime, row in record["summary"].items():
@@ -2679,6 +2679,7 @@ def test_readme_depth_numbers_match_plots_depth2_and_depth4():
             if c["lr"] == record["chosen_lr"][key]:
                 runs.setdefault(key, []).append(r["ema"])
         for key, ms in runs.items():
+            tvd[depth, key] = [sum(c) / len(c) for c in zip(*[m["tvd"] for m in ms])]
             for layer in range(1, layers + 1):
                 dev = [[h - u for h, u in zip(m[f"attn_entropy_layer{layer}"], m["log_positions"])]
                        for m in ms]
@@ -2689,6 +2690,18 @@ def test_readme_depth_numbers_match_plots_depth2_and_depth4():
     sc, ec = "sampled, constant", "exact, cosine"
     assert (f"two layers: {cells['depth2', sc]} (sampled, constant) and {cells['depth2', ec]} "
             f"(exact, cosine); four: {cells['depth4', sc]} and {cells['depth4', ec]}.") in readme
+    # "not everywhere": four layers, sampled, pre-final below pre from s = 13 to 20 (not from
+    # 21 to 2 L); two layers, exact, s = 31: post lowest.
+    for d in ("depth2", "depth4"):
+        for r in (sc, ec):   # "lowest at 2 L" in all four
+            at_2l = {n: tvd[d, f"{n}, {r}"][23] for n in ("pre", "pre-final", "post")}
+            assert min(at_2l, key=at_2l.get) == "pre"
+    pre, final = (tvd["depth4", f"{n}, sampled, constant"] for n in ("pre", "pre-final"))
+    assert [s for s in range(13, 25) if final[s - 1] < pre[s - 1]] == list(range(13, 21))
+    at_31 = {n: tvd["depth2", f"{n}, exact, cosine"][30] for n in ("pre", "pre-final", "post")}
+    assert min(at_31, key=at_31.get) == "post"
+    assert ("`pre` is lowest at 2 L, not everywhere (four layers, sampled: `pre-final` below it "
+            "to s = 20; two layers, s = 31, exact: `post`)") in readme
     first = {d: -min(v for (dd, _, layer), v in entropy.items() if dd == d and layer == 1)
              for d in ("depth2", "depth4")}
     later = -min(v for (_, _, layer), v in entropy.items() if layer > 1)
