@@ -1664,9 +1664,13 @@ MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_
 
 def rates(text):
     """--lrs: learning rates separated by commas, each in (0, 1]."""
-    xs = [float(x) for x in text.split(",")]
-    if not all(0 < x <= 1 for x in xs):
-        raise ValueError(text)
+    try:
+        xs = [float(x) for x in text.split(",")]
+    except ValueError:
+        xs = []
+    if not xs or not all(0 < x <= 1 for x in xs):
+        raise argparse.ArgumentTypeError(f"rates in (0, 1] separated by commas, such as "
+                                         f"0.001,0.01; got {text}")
     return xs
 
 
