@@ -2690,18 +2690,19 @@ def test_readme_depth_numbers_match_plots_depth2_and_depth4():
     sc, ec = "sampled, constant", "exact, cosine"
     assert (f"two layers: {cells['depth2', sc]} (sampled, constant) and {cells['depth2', ec]} "
             f"(exact, cosine); four: {cells['depth4', sc]} and {cells['depth4', ec]}.") in readme
-    # "not everywhere": four layers, sampled, pre-final below pre from s = 13 to 20 (not from
-    # 21 to 2 L); two layers, exact, s = 31: post lowest.
     for d in ("depth2", "depth4"):
         for r in (sc, ec):   # "lowest at 2 L" in all four
             at_2l = {n: tvd[d, f"{n}, {r}"][23] for n in ("pre", "pre-final", "post")}
             assert min(at_2l, key=at_2l.get) == "pre"
-    pre, final = (tvd["depth4", f"{n}, sampled, constant"] for n in ("pre", "pre-final"))
-    assert [s for s in range(13, 25) if final[s - 1] < pre[s - 1]] == list(range(13, 21))
+    # "not at every length": sampled, pre-final below pre from s = 2 up to 14 (two layers) and
+    # 20 (four), and not beyond; two layers, exact, s = 31: post lowest.
+    for d, last in (("depth2", 14), ("depth4", 20)):
+        pre, final = (tvd[d, f"{n}, sampled, constant"] for n in ("pre", "pre-final"))
+        assert [s for s in range(2, 32) if final[s - 1] < pre[s - 1]] == list(range(2, last + 1))
     at_31 = {n: tvd["depth2", f"{n}, exact, cosine"][30] for n in ("pre", "pre-final", "post")}
     assert min(at_31, key=at_31.get) == "post"
-    assert ("`pre` is lowest at 2 L, not everywhere (four layers, sampled: `pre-final` below it "
-            "to s = 20; two layers, s = 31, exact: `post`)") in readme
+    assert ("`pre` is lowest at 2 L, not at every length (e.g. sampled: `pre-final` to s = 14 at "
+            "two layers, 20 at four; two layers, s = 31, exact: `post`)") in readme
     first = {d: -min(v for (dd, _, layer), v in entropy.items() if dd == d and layer == 1)
              for d in ("depth2", "depth4")}
     later = -min(v for (_, _, layer), v in entropy.items() if layer > 1)
