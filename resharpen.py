@@ -7,7 +7,7 @@ prediction blurs; a LayerNorm that sees the attention average resharpens it.
 Part 1, the paper, top to bottom: config -> task -> model -> EMA -> training -> evaluation ->
 theory.md's laws and construction by hand. Part 2 reproduces the experiments; it plugs in
 through a task object, the ATTENTIONS table and train()'s `averagers`.
-    python resharpen.py --post-norm --ema 0.999   # the remedy, about 30 s on a laptop CPU
+    python resharpen.py --post-norm --ema 0.999   # the remedy, about a minute on 2 CPU cores
     python resharpen.py --help                    # every command and flag
 """
 
