@@ -1818,10 +1818,10 @@ def check_args(args, parser):
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
                     if getattr(args, k, None) is not None})
     cfg = language_config(cfg) if language else cfg
-    top, why = (256, "a language's limit") if language or mode == "suite" else {
-        "compare": ((cfg.vocab - 1) // 2, "--compare tests 2 x --train-len"),
-        "alternatives": (cfg.vocab - 2, "it needs a longer length")}.get(mode, (cfg.vocab - 1,
-                                                                               "v - 1"))
+    longest = {"compare": ((cfg.vocab - 1) // 2, "--compare tests 2 x --train-len"),
+               "alternatives": (cfg.vocab - 2, "it needs a longer length")}
+    top, why = ((256, "a language's limit") if language or mode == "suite"
+                else longest.get(mode, (cfg.vocab - 1, "v - 1")))
     if mode not in ("long", "search", "handout") and cfg.train_len > top:
         bad(f"--train-len must be at most {top} ({why}), got {cfg.train_len}")
     if mode == "theory" and cfg.vocab > 256:
