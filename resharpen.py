@@ -1122,7 +1122,41 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
                f"{base.steps} steps, batch {base.batch_size}, lr "
                f"{'tuned' if chosen else base.lr}")
     finish(out, name, "\n".join(lines), command, details, figures, done, wall, workers, **record)
+    if re.fullmatch(r"depth\d+", os.path.basename(os.path.abspath(out))):
+        depth_sweep(os.path.dirname(os.path.abspath(out)))   # the sweep, from every depth grid
 
+
+def depth_sweep(root, out=None):
+    """OUT/depth.md and depth.png (OUT: root) from every root/depthN/compare.json (EMA weights,
+    chosen rates): TVD at 2 L and on the training lengths against depth, seeds as points. The
+    lowest at 2 L is outside seed noise when all its seeds are below all the others' (P10)."""
+    grids = {int(re.search(r"depth(\d+)", str(p)).group(1)): json.loads(p.read_text("utf-8"))[
+        "summary"] for p in Path(root).glob("depth*/compare.json")}
+    depths, first = sorted(grids), grids[min(grids)]
+    norms = [n for n in NORMS if n in next(iter(first.values()))]
+    get = lambda d, r, n, c: next(v for k, v in grids[d][r][n]["ema"].items() if k.endswith(c))  # noqa
+    fig, axes = new_figure(2 * len(first), width=3.6)
+    for ax, (c, r) in zip(axes, [(c, r) for c in ("(2 L)", "training lengths") for r in first]):
+        for n in norms:
+            ys = [get(d, r, n, c) for d in depths]
+            ax.plot(depths, [mean(y) for y in ys], color=COLORS[n], label=n)
+            ax.plot([d for d, y in zip(depths, ys) for _ in y], sum(ys, []), "o", color=COLORS[n], ms=4)
+        ax.set(title=f"{r}: TVD, {c.strip('()')}", xlabel="layers", yscale="log", xticks=depths)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
+    rows = []
+    for d, r in [(d, r) for d in depths for r in first]:
+        at, fit = ({n: get(d, r, n, c) for n in norms} for c in ("(2 L)", "training lengths"))
+        best = min(norms, key=lambda n: mean(at[n]))
+        rows.append([d, r] + [f"{mean(fit[n]):.4f} / {mean(at[n]):.4f} ({min(at[n]):.3f} - "
+                              f"{max(at[n]):.3f})" for n in norms] + [f"`{best}`", "outside" if all(
+            max(at[best]) < min(at[n]) for n in norms if n != best) else "within", ", ".join(
+            f"`{n}`" for n in norms if mean(fit[n]) > 2 * min(map(mean, fit.values()))) or "-"])
+    text = "\n".join(["Training-length TVD / TVD at 2 L (seeds' min - max), EMA 0.999, chosen "
+                      "rates; fits worse: training TVD over twice the best.", ""] + md_table(
+        ["layers", "regime"] + [f"`{n}`" for n in norms] + ["lowest at 2 L", "seed noise",
+                                                            "fits worse"], rows))
+    print(text)
+    write_outputs(out or root, {"depth.md": text + "\n", "depth.png": fig})
 
 # ----------------------------------------------------------------------------- alternatives
 # python resharpen.py --alternatives: would another remedy do as well? (theory.md, Appendix E)
