@@ -921,7 +921,7 @@ def compare_rows(runs):
 
 
 def columns(L, v):
-    """The comparison's columns, fixed before any run (theory.md, Appendix F): mean TVD over the
+    """The comparison's columns, fixed before any run (plots/README.md, P1-P5): mean TVD over the
     training lengths; TVD at 1.5, 2 and 4 times the longest training length L (where that
     length exists, s <= v - 1); mean TVD over every longer length; TVD at s = v - 1."""
     cols = [("training lengths", lambda m: summarize(m, L)["tvd_train"])]
@@ -1140,7 +1140,8 @@ def depth_sweep(root, out=None):
         for n in norms:
             ys = [get(d, r, n, c) for d in depths]
             ax.plot(depths, [mean(y) for y in ys], color=COLORS[n], label=n)
-            ax.plot([d for d, y in zip(depths, ys) for _ in y], sum(ys, []), "o", color=COLORS[n], ms=4)
+            ax.plot([d for d, y in zip(depths, ys) for _ in y], sum(ys, []), "o", ms=4,
+                    color=COLORS[n])
         ax.set(title=f"{r}: TVD, {c.strip('()')}", xlabel="layers", yscale="log", xticks=depths)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
     rows = []
@@ -1455,8 +1456,7 @@ def search(base, out, n, command, lrs=None):
     results = {c: r for c, r, _ in done}
     summary, text = search_text(configs, results, n, lrs)
     text += "\n\n"
-    details = (f"seed {base.seed}; ranges in `search_configs`; protocol in theory.md, "
-               "Appendix F")
+    details = f"seed {base.seed}; ranges in `search_configs`; protocol in plots/README.md"
     finish(out, "search", text, command, details, {"search.png": plot_search(configs, results)},
            done, wall, workers, summary=summary)
 
