@@ -2651,6 +2651,22 @@ def test_the_laws_in_the_trained_models_match_plots_compare_json():
     assert f"the grid itself took {record['wall_seconds']:.0f} s" in notebook
 
 
+def test_post_against_pre_final_at_2l_is_outside_seed_noise_in_every_regime_and_flips():
+    # Lab notebook, section 1, "Strength"; the README's "no consistent winner".
+    import json
+    import statistics
+    record = json.loads(read("plots/compare.json"))
+    lower = {}
+    for regime in record["summary"]:
+        post, final = (compare_cells(record, regime, n) for n in ("post", "pre-final"))
+        assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
+        assert max(post) < min(final) or max(final) < min(post)
+        lower[regime] = "post" if max(post) < min(final) else "pre-final"
+    assert lower == {"sampled, constant": "post", "sampled, cosine": "post",
+                     "exact, constant": "pre-final", "exact, cosine": "pre-final"}
+    assert "each regime's order is far outside seed noise" in flat("plots/README.md")
+
+
 def test_the_readme_findings_match_their_json():
     import json
     readme = flat("README.md")
@@ -2674,7 +2690,7 @@ def test_the_readme_findings_match_their_json():
     search = json.loads(read("plots/search.json"))["summary"]
     P, A = search["pre-final"]["ema"]["all"], search["pre"]["ema"]["all"]
     assert f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations" in findings
-    assert (f"median ratio `pre-final` / `post` {P['median_ratio']:.2f} (95 % interval "
+    assert (f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
             f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})") in findings
     tuned = json.loads(read("plots/tuned/compare.json"))["summary"][sc]
     assert (f"`pre-final` ahead of `post` at 2 L ({mean(tuned['pre-final']['ema']['s = 24 (2 L)']):.3f}"
