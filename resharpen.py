@@ -575,15 +575,17 @@ def save_checkpoint(path, model, averager, cfg):
 
 def load_checkpoint(path, raw=False, device="cpu"):
     """A ready model in eval mode: the averaged weights if the run had them (unless raw)."""
+    what = "an empty file" if os.path.getsize(path) == 0 else "not a file torch.save wrote"
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        what = "a torch file without a resharpen.py config and weights"
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
         with torch.no_grad():
             for p, a in zip(model.parameters(), [] if raw else ckpt.get("ema", [])):
                 p.copy_(a)
-    except Exception as e:   # a file of another kind can fail anywhere in torch.load
-        raise ValueError(f"{path} is not a resharpen.py checkpoint ({e or type(e).__name__})")
+    except Exception:   # a file of another kind can fail anywhere in torch.load
+        raise ValueError(f"{path} is not a resharpen.py checkpoint: {what}") from None
     return model.to(device).eval()
 
 
@@ -660,7 +662,7 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
-    if resumable():
+    if resumable() and set(finished_runs()) <= {c for c, _, _ in done}:
         os.remove(RUNS_FILE)   # every run is in the JSON record now
     print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
@@ -726,6 +728,9 @@ def finite(metrics):
     return all(math.isfinite(x) for key, xs in metrics.items() if key != "length" for x in xs)
 
 
+RUN_FILES = ("length.png", "loss.png", "metrics.json")   # what the main command writes
+
+
 def run_one(cfg, out, save=None):
     """The default command: train, evaluate, print the table, write metrics and figures."""
     task = make_task(cfg)
@@ -759,9 +764,9 @@ def run_one(cfg, out, save=None):
     if raw:
         record["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
     laws = isinstance(task, SetComplement)
-    figures = {"length.png": plot_length(metrics, cfg, raw, average_name(cfg), laws),
-               "loss.png": plot_loss(losses, task.loss_floor())}
-    written = write_outputs(out, {**figures, "metrics.json": record})
+    written = write_outputs(out, dict(zip(RUN_FILES, [
+        plot_length(metrics, cfg, raw, average_name(cfg), laws),
+        plot_loss(losses, task.loss_floor()), record])))
     if save:
         save_checkpoint(save, model, averages[0] if averages else None, cfg)
         written.append(save)
@@ -808,9 +813,9 @@ def resumable():   # whether an interrupted grid left finished runs for --resume
     return bool(RUNS_FILE) and os.path.exists(RUNS_FILE)
 
 
-def finished_runs(device):
-    """{config: (result, seconds)} of the runs in RUNS_FILE trained on device. A line
-    that a kill cut short is dropped, and the file written again without it."""
+def finished_runs():
+    """{config: (result, seconds)} of the runs in RUNS_FILE (check_runs_file has read each
+    line). A line that a kill cut short is dropped, and the file written again without it."""
     done, whole = {}, []
     if resumable():
         with open(RUNS_FILE, encoding="utf-8") as f:
@@ -820,9 +825,8 @@ def finished_runs(device):
                 except ValueError:
                     continue
                 whole.append(line.rstrip("\n") + "\n")
-                cfg, seconds = Config(**r.pop("config")), r.pop("seconds")
-                if r.pop("device", None) == device:
-                    done[cfg] = (r, seconds)
+                cfg, seconds, _ = Config(**r.pop("config")), r.pop("seconds"), r.pop("device")
+                done[cfg] = (r, seconds)
         write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(whole), encoding="utf-8"))
     return done
 
@@ -835,7 +839,7 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
     workers)."""
     global RESUMED
     workers = grid_workers(runs, device)
-    old = finished_runs(device)
+    old = finished_runs()
     kept = [(c, *old[c]) for c in runs if c in old]
     RESUMED += len(kept)
     todo = [c for c in runs if c not in old]
@@ -1780,11 +1784,11 @@ def peak_memory(cfg):
 
 def planned_runs(mode, cfg, args, suite_flags):
     """Every configuration the command will train (grids: one per rate at most)."""
-    if mode in ("compare", "long"):
+    if mode in ("compare", "long"):   # with --lrs, every rate for every seed: a superset
         long = mode == "long"
         return compare_grid(replace(cfg, **LONG_MODEL) if long else cfg,
                             args.norms or (LONG_NORMS if long else tuple(NORMS)),
-                            args.regimes or (LONG_REGIMES if long else REGIMES))
+                            args.regimes or (LONG_REGIMES if long else REGIMES), args.lrs or (None,))
     if mode == "suite":
         return suite_grid(cfg, **suite_flags)
     if mode == "alternatives":
@@ -1813,8 +1817,12 @@ def check_args(args, parser):
             args.task == "shuffle" and "max_depth" in given):
         bad("--vocab, --brackets, --max-depth: a language's vocabulary is 2 x --brackets + 1; "
             "--max-depth is Dyck's")
-    if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep))):
-        bad("--save: a file name, such as runs/model.pt, for a single training run")
+    out = os.path.abspath(args.out or "runs")
+    if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep)) or
+                                  os.path.isdir(args.save) or os.path.abspath(args.save) in [out] + [
+                                      os.path.join(out, f) for f in RUN_FILES]):
+        bad("--save: a file name for a single training run, such as runs/model.pt; not a "
+            "folder, nor a file the run writes")
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
                     if getattr(args, k, None) is not None})
     cfg = language_config(cfg) if language else cfg
@@ -1840,8 +1848,35 @@ def check_args(args, parser):
         bad(f"--batch-size {cfg.batch_size}: about {need / 2**30:.0f} GiB at the peak ({workers} "
             f"run(s) at once; limit {MEMORY_LIMIT // 2**30} GiB): use a smaller --batch-size, "
             "--n-embd, --n-layer, --n-head, --train-len or --vocab")
+    if mode not in (None, "theory", "handout"):
+        check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume,
+                        bad)
     prepare_folders(args, bad)
     return mode, cfg, suite_flags
+
+
+def check_runs_file(path, runs, device, mode, resume, bad):
+    """A grid keeps the runs an interrupted command left in path only with --resume, and only
+    if each line is a run of this grid: a runs file is never overwritten or lost unnoticed."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines() if os.path.exists(path) else []
+    try:
+        json.loads(lines[-1])
+    except (IndexError, ValueError):
+        lines = lines[:-1]   # none, or the last one cut short by a kill: run_grid drops it
+    keys = {"config", "device", "seconds", "raw", "ema"} | ({"bema"} if mode in (
+        "compare", "suite") else set())
+    todo, planned = "rerun the command that wrote it, with --resume, or remove the file", set(runs)
+    if lines and not resume:
+        bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
+    for i, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            ok = keys <= set(r) and r["device"] == device and Config(**r["config"]) in planned
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:
+            bad(f"{path}, line {i}: not a run of this command ({len(lines)} run(s) in the "
+                f"file): {todo}")
 
 
 def prepare_folders(args, bad):
@@ -1880,8 +1915,6 @@ def main(argv=None):
     RUNS_FILE = None if mode in (None, "theory", "handout") else os.path.join(out,
                                                                           f"{mode}.runs.jsonl")
     RESUMED = 0
-    if resumable() and not args.resume:
-        os.remove(RUNS_FILE)   # an earlier command's runs, not asked for
     try:
         if mode == "handout":
             handout(out)

@@ -2116,15 +2116,17 @@ def test_save_and_load_give_identical_logits(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.pt"]   # no temporary file left behind
 
 
-def test_loading_what_is_not_a_checkpoint_says_so_in_one_line(tmp_path):
-    cases = {"empty.pt": b"", "text.pt": b"hello"}
+def test_loading_what_is_not_a_checkpoint_says_what_it_is_in_one_line(tmp_path):
+    cases = {"empty.pt": b"", "m.json": b'{"tvd": [0.5]}', "f.png": b"\x89PNG\r\n\x1a\n"}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")   # torch's, not ours
-    for name in ["empty.pt", "text.pt", "other.pt"]:
-        with pytest.raises(ValueError, match="not a resharpen.py checkpoint") as e:
+    for name, what in [("empty.pt", "an empty file"), ("m.json", "not a file torch.save"),
+                       ("f.png", "not a file torch.save"), ("other.pt", "a torch file without")]:
+        with pytest.raises(ValueError, match="not a resharpen.py checkpoint: " + what) as e:
             R.load_checkpoint(str(tmp_path / name))
-        assert "\n" not in str(e.value).strip()
+        assert "\n" not in str(e.value) and "weights_only" not in str(e.value)
+        assert e.value.__suppress_context__   # no torch traceback above it
 
 
 def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
@@ -2325,6 +2327,10 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
     (["--save", ""], "--save"),
     (["--save", "SAVE/m.pt", "--theory"], "--save"),
     (["--save", "/proc/nope/ck.pt"], "--save"),
+    (["--save", "SAVE"], "--save"),                            # an existing folder
+    (["--save", "SAVE/o", "--out", "SAVE/o"], "--save"),       # the folder --out makes
+    (["--save", "SAVE/new/metrics.json"], "--save"),           # a file the run writes
+    (["--save", "SAVE/o/length.png", "--out", "SAVE/o"], "--save"),
     (["--out", "SAVE/" + "x" * 300], "--out"),                 # a name too long
     (["--seed", "-1"], "--seed"),
     (["--seed", str(2**64)], "--seed"),
@@ -2404,6 +2410,26 @@ def test_ctrl_c_during_training_exits_130_with_one_line(monkeypatch, capsys, tmp
         R.main(["--out", str(tmp_path / "out")] + SMALL)
     assert e.value.code == 130
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_path, capsys):
+    # Without --resume, with other flags, or with a line that is not a run of this grid: one
+    # line, exit 2, nothing trained and the file as it was.
+    import json
+    argv = ["--compare", "--norms", "pre", "--regimes", "exact/cosine", "--out", str(tmp_path)]
+    run = {"config": R.asdict(R.compare_grid(R.Config(steps=2, batch_size=4, n_embd=8, device="cpu"),
+                                             ("pre",), (("exact", "cosine"),))[0]),
+           "device": "cpu", "seconds": 1.0, "raw": {}, "ema": {}, "bema": {}}
+    alien = [None, {**run, "config": {**run["config"], "old_key": 1}}, {"config": run["config"]},
+             {k: v for k, v in run.items() if k != "bema"}, {**run, "device": "cuda"}]
+    path = tmp_path / "compare.runs.jsonl"
+    for lines, flags, said in [([run], [], "holds 1 finished run(s)"),
+                               ([run], ["--resume", "--steps", "3"], "line 1: not a run")] + [
+            ([run, x], ["--resume"], "line 2: not a run") for x in alien]:
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        path.write_text(text, encoding="utf-8")
+        expect_exit_2(argv + SMALL + flags, said, capsys)
+        assert path.read_text(encoding="utf-8") == text and os.listdir(tmp_path) == [path.name]
 
 
 def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_path):
