@@ -883,9 +883,6 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
 # python resharpen.py --compare: every claim of the paper, 3 seeds each (README, "Results")
 REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
            ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
-LONG_MODEL = dict(vocab=64, train_len=15, n_embd=128)   # tested to s = 63 = 4.2 x 15
-LONG_NORMS = ("pre", "pre-final", "post")
-LONG_REGIMES = (("sampled", "constant"), ("exact", "cosine"))   # the noisiest, the quietest
 
 
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
@@ -1073,7 +1070,7 @@ def plot_compare_norms(rows, cfg):
 
 
 def plot_regimes(rows, cfg, norms, regimes):
-    """compare_regimes.png, long.png: TVD against length, one panel per regime, one curve per
+    """compare_regimes.png: TVD against length, one panel per regime, one curve per
     placement (EMA weights), log scale: 0.003 and 0.3 both show."""
     return plot_panels([(f"{t} targets, {sch} lr", "TVD to the exact target (log)",
                          dict(yscale="log", ylim=(1e-4, 1)),
@@ -1083,17 +1080,12 @@ def plot_regimes(rows, cfg, norms, regimes):
                        cfg.train_len, cfg.vocab - 1, ncol=len(norms) + 1)
 
 
-def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
+def compare(base, out, command, norms=None, regimes=None, lrs=None):
     """python resharpen.py --compare: every placement in every regime, 3 seeds; writes
-    compare.md, compare.json and 4 figures. With long=True (--long): LONG_MODEL's larger
-    vocabulary, three placements, two regimes; writes long.md, long.json, long.png. norms,
-    regimes: a subset (then only the regimes figure); lrs: rates to tune over (tune_rates)."""
+    compare.md, compare.json and 2 figures. norms, regimes: a subset (then only the regimes
+    figure); lrs: rates to tune over (tune_rates)."""
     full = norms is None and regimes is None
-    name = "long" if long else "compare"
-    if long:
-        base = replace(base, **LONG_MODEL)
-    norms = norms or (LONG_NORMS if long else tuple(NORMS))
-    regimes = regimes or (LONG_REGIMES if long else REGIMES)
+    norms, regimes = norms or tuple(NORMS), regimes or REGIMES
     device = pick_device(base.device)
     chosen = None
     if lrs and len(lrs) > 1:
@@ -1107,16 +1099,15 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
     L, v = base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
     lines = compare_table(summary, L, v, norms)
-    if full and not long:
+    if full:
         lines += [""] + laws_table(rows, v)
     if chosen:
         lines += [""] + rates_table(done, chosen, L)
     if base.n_layer > 1:
         lines += [""] + layer_entropy_table(rows, base, norms, regimes)
     lines += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. "]
-    figures = {("long.png" if long else "compare_regimes.png"):
-               plot_regimes(rows, base, norms, regimes)}
-    if full and not long:
+    figures = {"compare_regimes.png": plot_regimes(rows, base, norms, regimes)}
+    if full:
         figures["compare_norms.png"] = plot_compare_norms(rows, base)
     record = dict(config=asdict(base), summary=summary)
     if chosen:
@@ -1125,7 +1116,7 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
     details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s){mlp}, "
                f"{base.steps} steps, batch {base.batch_size}, lr "
                f"{'tuned' if chosen else base.lr}")
-    finish(out, name, "\n".join(lines), command, details, figures, done, wall, workers, **record)
+    finish(out, "compare", "\n".join(lines), command, details, figures, done, wall, workers, **record)
 
 
 # ----------------------------------------------------------------------------- alternatives
@@ -1652,7 +1643,6 @@ MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos"
                "attn_scale", "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
     "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "long": MODEL_FLAGS - set(LONG_MODEL) | {"lrs", "norms", "regimes", "resume"},
     "alternatives": MODEL_FLAGS - {"bos", "dropout", "attn_scale"} | {"resume"},
     "search": {"lrs", "resume"},
     "suite": set(SUITE_MODEL) | {"resume"},
@@ -1711,18 +1701,17 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--device", ["auto", "cpu", "cuda", "mps"], "auto: cuda, then mps, then cpu"),
     ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
     ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
-    ("--lrs", rates, "--compare, --long, --search: train each placement at every rate "
+    ("--lrs", rates, "--compare, --search: train each placement at every rate "
      "LR,LR,...; each keeps the one with the lowest training-length TVD (EMA weights) on the "
      "first seed"),
-    ("--norms", choice_list(tuple(NORMS)), "--compare, --long: only these placements"),
-    ("--regimes", choice_list(REGIMES), "--compare, --long: only these regimes, such as "
+    ("--norms", choice_list(tuple(NORMS)), "--compare: only these placements"),
+    ("--regimes", choice_list(REGIMES), "--compare: only these regimes, such as "
      "sampled/constant,exact/cosine"),
     ("--resume", bool, "a grid: keep the runs that an interrupted command recorded in "
      "OUT/MODE.runs.jsonl (each grid appends every finished run there)"),
 ]
 MODES = [   # (flag, help); at most one
     ("--compare", f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
-    ("--long", "the longer extrapolation: " + ", ".join(f"{k} {v}" for k, v in LONG_MODEL.items())),
     ("--alternatives", "Pre-Norm with dropout, log-length scaling or BOS, against Post-Norm"),
     ("--suite", f"the formal languages, {SUITE_SEEDS} seeds, own settings (its flags override)"),
     ("--theory", "theory.md's hand-built models against their formulas"),
@@ -1784,11 +1773,9 @@ def peak_memory(cfg):
 
 def planned_runs(mode, cfg, args, suite_flags):
     """Every configuration the command will train (grids: one per rate at most)."""
-    if mode in ("compare", "long"):   # with --lrs, every rate for every seed: a superset
-        long = mode == "long"
-        return compare_grid(replace(cfg, **LONG_MODEL) if long else cfg,
-                            args.norms or (LONG_NORMS if long else tuple(NORMS)),
-                            args.regimes or (LONG_REGIMES if long else REGIMES), args.lrs or (None,))
+    if mode == "compare":   # with --lrs, every rate for every seed: a superset
+        return compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or REGIMES,
+                            args.lrs or (None,))
     if mode == "suite":
         return suite_grid(cfg, **suite_flags)
     if mode == "alternatives":
@@ -1830,7 +1817,7 @@ def check_args(args, parser):
                "alternatives": (cfg.vocab - 2, "it needs a longer length")}
     top, why = ((256, "a language's limit") if language or mode == "suite"
                 else longest.get(mode, (cfg.vocab - 1, "v - 1")))
-    if mode not in ("long", "search", "handout") and cfg.train_len > top:
+    if mode not in ("search", "handout") and cfg.train_len > top:
         bad(f"--train-len must be at most {top} ({why}), got {cfg.train_len}")
     if mode == "theory" and cfg.vocab > 256:
         bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
@@ -1920,8 +1907,8 @@ def main(argv=None):
             handout(out)
         elif mode == "theory":
             theory(cfg.vocab, cfg.train_len, out)
-        elif mode in ("compare", "long"):
-            compare(cfg, out, command, mode == "long", args.norms, args.regimes, args.lrs)
+        elif mode == "compare":
+            compare(cfg, out, command, args.norms, args.regimes, args.lrs)
         elif mode == "suite":
             suite(cfg, out, command, **suite_flags)
         elif mode == "alternatives":

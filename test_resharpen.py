@@ -2364,7 +2364,6 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
     (["--compare", "--regimes", "sampled/linear"], "--regimes"),
     (["--suite", "--train-len", "1024"], "--train-len"),       # the suite's own limit
     (["--theory", "--vocab", "1024", "--train-len", "900"], "--vocab"),
-    (["--long", "--vocab", "16"], "--vocab"),
 ])
 def test_bad_input_exits_2_with_one_line_before_training(argv, flag, capsys, tmp_path):
     if "/proc/" in " ".join(argv) and not os.path.isdir("/proc"):
@@ -2536,7 +2535,7 @@ def test_the_tables_name_every_flag_that_was_given(monkeypatch, tmp_path):
 # ---- the README and theory.md quote the committed files -------------------------------------
 
 
-@pytest.mark.parametrize("table", ["compare.md", "long.md", "alternatives.md", "search.md",
+@pytest.mark.parametrize("table", ["compare.md", "long/compare.md", "alternatives.md", "search.md",
                                    "suite.md", "tuned/compare.md", "depth2/compare.md",
                                    "depth4/compare.md", "search_tuned/search.md"])
 def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
@@ -2593,7 +2592,7 @@ def test_readme_main_command_output_is_what_plots_metrics_json_holds():
 def test_readme_results_rows_are_copied_from_the_generated_tables():
     readme = read("README.md")
     results = readme.split("\n## Results", 1)[1].split("\n## Exercises", 1)[0]
-    generated = "".join(read(f"plots/{name}.md") for name in ("compare", "long", "search",
+    generated = "".join(read(f"plots/{name}.md") for name in ("compare", "long/compare", "search",
                                                                "suite", "tuned/compare"))
     rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) >= 6
