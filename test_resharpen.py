@@ -81,22 +81,6 @@ def attention_by_hand(x, attn):
     return out @ attn.c_proj.weight.T
 
 
-class Oracle(torch.nn.Module):
-    """Outputs log p* (seen tokens at -1e9) and attends uniformly."""
-
-    def __init__(self, vocab):
-        super().__init__()
-        self.cfg = R.Config(vocab=vocab)
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, idx, return_attn=False):
-        logits = R.SetComplement(self.cfg).target(idx).clamp_min(1e-30).log().clamp_min(-1e9)
-        T = idx.shape[1]
-        att = torch.ones(T, T).tril()
-        att = (att / att.sum(-1, keepdim=True)).expand(idx.shape[0], 1, T, T)
-        return (logits, [att]) if return_attn else logits
-
-
 class MultiHeadOracle(torch.nn.Module):
     """Outputs log p* (seen tokens at -1e9). patterns[l][h] is layer l, head h's attention:
     'uniform' (1/s on each of the s positions seen) or 'self' (all on the last one)."""
