@@ -12,7 +12,6 @@ through a task object, the ATTENTIONS table and train()'s `averagers`.
 """
 
 import argparse
-import contextlib
 import copy
 import functools
 import json
@@ -832,8 +831,10 @@ def finished_runs():
         return {}
     runs = {}
     for line in Path(RUNS_FILE).read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(ValueError):
+        try:
             runs[line] = json.loads(line)
+        except ValueError:   # cut short by a kill: dropped
+            pass
     write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(f"{x}\n" for x in runs), "utf-8"))
     return {Config(**r.pop("config")): (r, r.pop("seconds"), r.pop("device"))[:2]
             for r in runs.values()}
