@@ -575,15 +575,17 @@ def save_checkpoint(path, model, averager, cfg):
 
 def load_checkpoint(path, raw=False, device="cpu"):
     """A ready model in eval mode: the averaged weights if the run had them (unless raw)."""
+    what = "an empty file" if os.path.getsize(path) == 0 else "not a file torch.save wrote"
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        what = "a torch file without a resharpen.py config and weights"
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
         with torch.no_grad():
             for p, a in zip(model.parameters(), [] if raw else ckpt.get("ema", [])):
                 p.copy_(a)
-    except Exception as e:   # a file of another kind can fail anywhere in torch.load
-        raise ValueError(f"{path} is not a resharpen.py checkpoint ({e or type(e).__name__})")
+    except Exception:   # a file of another kind can fail anywhere in torch.load
+        raise ValueError(f"{path} is not a resharpen.py checkpoint: {what}") from None
     return model.to(device).eval()
 
 
@@ -616,6 +618,19 @@ def mean_sd(values, digits=3):
     m = mean(values)
     sd = math.sqrt(sum((x - m) ** 2 for x in values) / max(len(values) - 1, 1))
     return f"{m:.{digits}f} +- {sd:.{digits}f}"
+
+
+def tvd_cells(metrics, L):
+    """'mean +- sd' over seeds of the TVD: on the training lengths, beyond, at the longest."""
+    sums = [summarize(m, L) for m in metrics]
+    return [mean_sd([x[k] for x in sums]) for k in ("tvd_train", "tvd_extrap", "tvd_last")]
+
+
+def draw_laws(ax, s, gaps, L, v, **style):
+    """theory.md's laws of the logit gap (GAP_LAWS), each equal to gaps[norm] at length L."""
+    for (norm, (name, law)), ls in zip(GAP_LAWS.items(), (":", "--")):
+        ax.plot(s, [gaps[norm] * law(x, v) / law(L, v) for x in s], ls, color="k",
+                label=f"law of {norm}: {name}", **style)
 
 
 def summarize(metrics, train_len):
@@ -660,7 +675,7 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
-    if resumable():
+    if resumable() and set(finished_runs()) <= {c for c, _, _ in done}:
         os.remove(RUNS_FILE)   # every run is in the JSON record now
     print(f"wrote {', '.join(written)} | {wall:.0f}s")
 
@@ -696,10 +711,8 @@ def plot_length(metrics, cfg, raw=None, average="EMA", laws=True):
         axes[1].plot(s, m["logit_gap"], color=color, lw=lw)
         axes[2].plot(s, [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])],
                      color=color, lw=lw)
-    for (norm, (name, law)), style in zip(GAP_LAWS.items() if laws else [], ("k:", "k--")):
-        g = metrics["logit_gap"][L - 1]   # each law equals the gap at L
-        axes[1].plot(s, [g * law(x, v) / law(L, v) for x in s], style, lw=1,
-                     label=f"law of {norm}: {name}")
+    if laws:
+        draw_laws(axes[1], s, {n: metrics["logit_gap"][L - 1] for n in GAP_LAWS}, L, v, lw=1)
     for ax, title, y in zip(axes, ("TVD to the exact target", "logit gap: unseen - seen",
                                    "attention entropy - log(positions)"),
                             (dict(ylim=(0, 1)), dict(yscale="log"), dict(ylim=(-1, 0.2)))):
@@ -724,6 +737,9 @@ def plot_loss(losses, floor):
 
 def finite(metrics):
     return all(math.isfinite(x) for key, xs in metrics.items() if key != "length" for x in xs)
+
+
+RUN_FILES = ("length.png", "loss.png", "metrics.json")   # what the main command writes
 
 
 def run_one(cfg, out, save=None):
@@ -759,9 +775,9 @@ def run_one(cfg, out, save=None):
     if raw:
         record["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
     laws = isinstance(task, SetComplement)
-    figures = {"length.png": plot_length(metrics, cfg, raw, average_name(cfg), laws),
-               "loss.png": plot_loss(losses, task.loss_floor())}
-    written = write_outputs(out, {**figures, "metrics.json": record})
+    written = write_outputs(out, dict(zip(RUN_FILES, [
+        plot_length(metrics, cfg, raw, average_name(cfg), laws),
+        plot_loss(losses, task.loss_floor()), record])))
     if save:
         save_checkpoint(save, model, averages[0] if averages else None, cfg)
         written.append(save)
@@ -808,23 +824,20 @@ def resumable():   # whether an interrupted grid left finished runs for --resume
     return bool(RUNS_FILE) and os.path.exists(RUNS_FILE)
 
 
-def finished_runs(device):
-    """{config: (result, seconds)} of the runs in RUNS_FILE trained on device. A line
-    that a kill cut short is dropped, and the file written again without it."""
-    done, whole = {}, []
-    if resumable():
-        with open(RUNS_FILE, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                whole.append(line.rstrip("\n") + "\n")
-                cfg, seconds = Config(**r.pop("config")), r.pop("seconds")
-                if r.pop("device", None) == device:
-                    done[cfg] = (r, seconds)
-        write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(whole), encoding="utf-8"))
-    return done
+def finished_runs():
+    """{config: (result, seconds)} of the runs in RUNS_FILE (check_runs_file has read each
+    line). A line that a kill cut short is dropped, and the file written again without it."""
+    if not resumable():
+        return {}
+    runs = {}
+    for line in Path(RUNS_FILE).read_text(encoding="utf-8").splitlines():
+        try:
+            runs[line] = json.loads(line)
+        except ValueError:   # cut short by a kill: dropped
+            pass
+    write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(f"{x}\n" for x in runs), "utf-8"))
+    return {Config(**r.pop("config")): (r, r.pop("seconds"), r.pop("device"))[:2]
+            for r in runs.values()}
 
 
 def run_grid(runs, device, averages=("ema", "bema"), later=0):
@@ -834,16 +847,12 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
     workers count in the wall time). Returns (results in the order of runs, wall seconds,
     workers)."""
     global RESUMED
-    workers = grid_workers(runs, device)
-    old = finished_runs(device)
-    kept = [(c, *old[c]) for c in runs if c in old]
-    RESUMED += len(kept)
-    todo = [c for c in runs if c not in old]
+    workers, old, t0, pool = grid_workers(runs, device), finished_runs(), time.time(), None
+    done = [(c, *old[c]) for c in runs if c in old]
+    RESUMED, before = RESUMED + len(done), sum(d[2] for d in done) / workers
     print(f"{len(runs)} training runs on {device}, {workers} at a time" +
-          (f"; {len(kept)} done before, in {RUNS_FILE}" if kept else ""), flush=True)
-    t0 = time.time()
-    done = list(kept)
-    pool = None
+          (f"; {len(done)} done before, in {RUNS_FILE}" if done else ""), flush=True)
+    todo = [c for c in runs if c not in old]
     try:
         if workers > 1:
             import multiprocessing
@@ -851,8 +860,8 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
             old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
             pool = multiprocessing.get_context("spawn").Pool(workers)
             signal.signal(signal.SIGINT, old_handler)
-            job = functools.partial(train_and_evaluate, averages=averages, threads=1)
-            results = pool.imap_unordered(job, todo)
+            results = pool.imap_unordered(functools.partial(
+                train_and_evaluate, averages=averages, threads=1), todo)
         else:
             results = (train_and_evaluate(cfg, averages) for cfg in todo)
         for cfg, result, seconds in results:
@@ -872,16 +881,13 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
         if pool:
             pool.terminate()
     done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
-    return done, time.time() - t0 + sum(d[2] for d in kept) / workers, workers
+    return done, time.time() - t0 + before, workers
 
 
 # ----------------------------------------------------------------------------- comparison
 # python resharpen.py --compare: every claim of the paper, 3 seeds each (README, "Results")
 REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
            ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
-LONG_MODEL = dict(vocab=64, train_len=15, n_embd=128)   # tested to s = 63 = 4.2 x 15
-LONG_NORMS = ("pre", "pre-final", "post")
-LONG_REGIMES = (("sampled", "constant"), ("exact", "cosine"))   # the noisiest, the quietest
 
 
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
@@ -936,14 +942,9 @@ def columns(L, v):
 def crossover(post, rival):
     """The shortest length from which post's TVD (mean over seeds) is below rival's at every
     longer length; None if it is not below at the longest."""
-    a = [mean(c) for c in zip(*[m["tvd"] for m in post])]
-    b = [mean(c) for c in zip(*[m["tvd"] for m in rival])]
-    start = None
-    for s in range(len(a), 0, -1):
-        if a[s - 1] >= b[s - 1]:
-            break
-        start = s
-    return start
+    a, b = ([mean(c) for c in zip(*[m["tvd"] for m in runs])] for runs in (post, rival))
+    last = max((s for s in range(1, len(a) + 1) if a[s - 1] >= b[s - 1]), default=0)
+    return last + 1 if last < len(a) else None
 
 
 def compare_summary(rows, L, v, norms, regimes):
@@ -1052,12 +1053,7 @@ def plot_compare_norms(rows, cfg):
         return {n: (COLORS[n], [f(m) for m in ms], dict(lw=3, zorder=5) if n == "post"
                     else dict(lw=1.5, zorder=3)) for n, ms in runs.items()}
 
-    def laws(axes):
-        for norm, ls in (("pre", ":"), ("post", "--")):
-            name, law = GAP_LAWS[norm]
-            g = mean([m["logit_gap"][L - 1] for m in runs[norm]])
-            axes[0].plot(range(1, v), [g * law(x, v) / law(L, v) for x in range(1, v)], ls,
-                         color="k", lw=1.2, zorder=6, label=f"law of {norm}: {name}")
+    gaps = {n: mean([m["logit_gap"][L - 1] for m in runs[n]]) for n in GAP_LAWS}
     return plot_panels([
         ("the logit gap: Pre-Norm's falls like 1/s", "unseen minus seen logit (log)",
          dict(yscale="log"), curves(lambda m: m["logit_gap"])),
@@ -1065,11 +1061,12 @@ def plot_compare_norms(rows, cfg):
          curves(lambda m: m["tvd"])),
         ("attention: uniform but for post-residual", "attention entropy - log s (nats)", dict(ylim=(-0.3, 0.05)),
          curves(lambda m: [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]))],
-        L, v - 1, ncol=6, overlay=laws)
+        L, v - 1, ncol=6,
+        overlay=lambda axes: draw_laws(axes[0], range(1, v), gaps, L, v, lw=1.2, zorder=6))
 
 
 def plot_regimes(rows, cfg, norms, regimes):
-    """compare_regimes.png, long.png: TVD against length, one panel per regime, one curve per
+    """compare_regimes.png: TVD against length, one panel per regime, one curve per
     placement (EMA weights), log scale: 0.003 and 0.3 both show."""
     return plot_panels([(f"{t} targets, {sch} lr", "TVD to the exact target (log)",
                          dict(yscale="log", ylim=(1e-4, 1)),
@@ -1079,17 +1076,12 @@ def plot_regimes(rows, cfg, norms, regimes):
                        cfg.train_len, cfg.vocab - 1, ncol=len(norms) + 1)
 
 
-def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
+def compare(base, out, command, norms=None, regimes=None, lrs=None):
     """python resharpen.py --compare: every placement in every regime, 3 seeds; writes
-    compare.md, compare.json and 4 figures. With long=True (--long): LONG_MODEL's larger
-    vocabulary, three placements, two regimes; writes long.md, long.json, long.png. norms,
-    regimes: a subset (then only the regimes figure); lrs: rates to tune over (tune_rates)."""
+    compare.md, compare.json and 2 figures. norms, regimes: a subset (then only the regimes
+    figure); lrs: rates to tune over (tune_rates)."""
     full = norms is None and regimes is None
-    name = "long" if long else "compare"
-    if long:
-        base = replace(base, **LONG_MODEL)
-    norms = norms or (LONG_NORMS if long else tuple(NORMS))
-    regimes = regimes or (LONG_REGIMES if long else REGIMES)
+    norms, regimes = norms or tuple(NORMS), regimes or REGIMES
     device = pick_device(base.device)
     chosen = None
     if lrs and len(lrs) > 1:
@@ -1103,16 +1095,15 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
     L, v = base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
     lines = compare_table(summary, L, v, norms)
-    if full and not long:
+    if full:
         lines += [""] + laws_table(rows, v)
     if chosen:
         lines += [""] + rates_table(done, chosen, L)
     if base.n_layer > 1:
         lines += [""] + layer_entropy_table(rows, base, norms, regimes)
     lines += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. "]
-    figures = {("long.png" if long else "compare_regimes.png"):
-               plot_regimes(rows, base, norms, regimes)}
-    if full and not long:
+    figures = {"compare_regimes.png": plot_regimes(rows, base, norms, regimes)}
+    if full:
         figures["compare_norms.png"] = plot_compare_norms(rows, base)
     record = dict(config=asdict(base), summary=summary)
     if chosen:
@@ -1121,7 +1112,7 @@ def compare(base, out, command, long=False, norms=None, regimes=None, lrs=None):
     details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s){mlp}, "
                f"{base.steps} steps, batch {base.batch_size}, lr "
                f"{'tuned' if chosen else base.lr}")
-    finish(out, name, "\n".join(lines), command, details, figures, done, wall, workers, **record)
+    finish(out, "compare", "\n".join(lines), command, details, figures, done, wall, workers, **record)
     if re.fullmatch(r"depth\d+", os.path.basename(os.path.abspath(out))):
         depth_sweep(os.path.dirname(os.path.abspath(out)))   # the sweep, from every depth grid
 
@@ -1183,13 +1174,11 @@ def alternatives_table(named, train_len, v):
     rows = []
     for name, results in named.items():
         for avg in ("raw", "ema"):
-            sums = [summarize(r[avg], train_len) for r in results]
             gap_s = [mean([r[avg]["logit_gap"][s - 1] for r in results]) * s
                      for s in range(1, v)]
-            rows.append([name, AVERAGE_LABELS[avg]] +
-                        [mean_sd([x[k] for x in sums]) for k in ("tvd_train", "tvd_extrap",
-                                                                 "tvd_last")] +
-                        [f"{min(gap_s):.2f} - {max(gap_s):.2f}"])
+            rows.append([name, AVERAGE_LABELS[avg], *tvd_cells([r[avg] for r in results],
+                                                                train_len),
+                         f"{min(gap_s):.2f} - {max(gap_s):.2f}"])
     return md_table(["remedy", "weight average", "TVD, training lengths", "TVD, extrapolation",
                      f"TVD at s = {v - 1}", "gap x s, min - max over s (mean of seeds)"], rows)
 
@@ -1294,26 +1283,14 @@ def sign_test(k, n):
 def wilcoxon(diffs):
     """Two-sided exact Wilcoxon signed-rank test (zeros dropped, tied |d| share their mean
     rank): the distribution of the positive rank sum, counted over all 2^n sign patterns."""
-    d = sorted((x for x in diffs if x != 0), key=abs)
-    n = len(d)
-    if n == 0:
-        return 1.0
-    ranks, i = [0] * n, 0   # twice the ranks, so that shared mean ranks stay integers
-    while i < n:
-        j = i
-        while j + 1 < n and abs(d[j + 1]) == abs(d[i]):
-            j += 1
-        ranks[i:j + 1] = [i + j + 2] * (j - i + 1)
-        i = j + 1
+    d = [x for x in diffs if x != 0]
+    a = sorted(abs(x) for x in d)
+    ranks = [2 * a.index(abs(x)) + a.count(abs(x)) + 1 for x in d]   # twice the mean rank
     counts = {0: 1}
     for r in ranks:
-        new = dict(counts)
-        for total, c in counts.items():
-            new[total + r] = new.get(total + r, 0) + c
-        counts = new
+        counts = {t: counts.get(t, 0) + counts.get(t - r, 0) for t in range(sum(ranks) + 1)}
     w, mid = sum(r for r, x in zip(ranks, d) if x > 0), sum(ranks) / 2
-    extreme = sum(c for total, c in counts.items() if abs(total - mid) >= abs(w - mid))
-    return min(1.0, extreme / 2**n)
+    return min(1.0, sum(c for t, c in counts.items() if abs(t - mid) >= abs(w - mid)) / 2**len(d))
 
 
 @functools.lru_cache(maxsize=None)   # the same values recur in several subgroups
@@ -1519,11 +1496,8 @@ def suite_table(done):
             name = make_task(runs[0][0]).name
             for avg in ("raw", "ema"):
                 ms = [r[avg] for _, r in runs]
-                sums = [summarize(m, L) for m in ms]
-                inv = [mean(m["invalid_mass"][L:]) for m in ms]
-                rows.append([name, f"`{norm}`", AVERAGE_LABELS[avg]] +
-                            [mean_sd([s[k] for s in sums])
-                             for k in ("tvd_train", "tvd_extrap", "tvd_last")] + [mean_sd(inv)])
+                rows.append([name, f"`{norm}`", AVERAGE_LABELS[avg], *tvd_cells(ms, L),
+                             mean_sd([mean(m["invalid_mass"][L:]) for m in ms])])
     out = md_table(["language", "norm", "weight average", "TVD, training lengths",
                     "TVD, extrapolation", "TVD at the longest length",
                     "invalid mass, extrapolation"], rows)
@@ -1581,25 +1555,21 @@ def predicted_tvd(vocab, s, margin):
 def theory(vocab, train_len, out):
     """The hand-built models against their formulas, each scaled so that its margin at the
     longest training length is 6; writes theory.png."""
-    rows = {}
+    print(f"hand-built models, v={vocab}, each scaled to margin 6 at s={train_len}; "
+          "'model' is evaluate() on the script's own Transformer, in float64\n(a TVD below "
+          "about 1e-15 is float64 rounding, not the model)")
+    fig, (ax1, ax2) = new_figure(2, height=4.4)
     for norm in NORMS:
         gamma = 6.0 / predicted_margin(vocab, norm, train_len)
         m = evaluate(hand_built(vocab, norm, gamma), n_perm=200)
         pred_m = [predicted_margin(vocab, norm, s, gamma) for s in m["length"]]
         pred_tvd = [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)]
-        rows[norm] = (m, pred_m, pred_tvd)
-    print(f"hand-built models, v={vocab}, each scaled to margin 6 at s={train_len}; "
-          "'model' is evaluate() on the script's own Transformer, in float64\n(a TVD below "
-          "about 1e-15 is float64 rounding, not the model)")
-    for norm, (m, pred_m, pred_tvd) in rows.items():
         print(f"\n{norm}: {NORMS[norm]}\n{'s':>4} {'margin: formula':>16} {'model':>10} "
               f"{'TVD: formula':>14} {'model':>10}")
         for s in sorted({1, 2, 4, train_len, 2 * train_len, vocab - 1} & set(m["length"])):
             i = s - 1
             print(f"{s:>4} {pred_m[i]:16.5f} {m['logit_gap'][i]:10.5f} {pred_tvd[i]:14.3e} "
                   f"{m['tvd'][i]:10.3e}")
-    fig, (ax1, ax2) = new_figure(2, height=4.4)
-    for norm, (m, pred_m, pred_tvd) in rows.items():
         c = COLORS[norm]
         ax1.plot(m["length"], pred_m, color=c, lw=1.5, label=f"{norm}: formula")
         ax1.plot(m["length"], m["logit_gap"], "o", color=c, ms=3, label=f"{norm}: model")
@@ -1682,17 +1652,16 @@ MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos"
                "attn_scale", "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
     "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "long": MODEL_FLAGS - set(LONG_MODEL) | {"lrs", "norms", "regimes", "resume"},
     "alternatives": MODEL_FLAGS - {"bos", "dropout", "attn_scale"} | {"resume"},
     "search": {"lrs", "resume"},
     "suite": set(SUITE_MODEL) | {"resume"},
     "theory": {"vocab", "train_len"},
     "handout": set(),
 }
-LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "brackets": (1, 16), "max_depth": (1, 64),
-          "n_layer": (1, 16), "n_head": (1, 64), "n_embd": (1, 2048), "batch_size": (1, 8192),
-          "steps": (1, 10**7), "seed": (0, 2**32 - SUITE_SEEDS), "search": (1, 100),
-          "lr": (1e-12, 1e6), "ema": (0, 0.999999), "dropout": (0, 0.99)}
+LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
+          "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "search": (1, 100),
+          "seed": (0, 2**32 - SUITE_SEEDS), "lr": (1e-12, 1e6), "ema": (0, 0.999999),
+          "dropout": (0, 0.99)}
 MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_memory)
 
 
@@ -1701,8 +1670,8 @@ def rates(text):
     try:
         xs = [float(x) for x in text.split(",")]
     except ValueError:
-        xs = []
-    if not xs or not all(0 < x <= 1 for x in xs):
+        xs = [0.0]
+    if not all(0 < x <= 1 for x in xs):   # nan fails too
         raise argparse.ArgumentTypeError(f"rates in (0, 1] separated by commas, such as "
                                          f"0.001,0.01; got {text}")
     return xs
@@ -1720,11 +1689,9 @@ def choice_list(allowed):
 
 
 FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); every default None
-    ("--task", ["complement", "dyck", "shuffle"], "Set Complement, or a formal language"),
-    ("--vocab", int, "vocabulary size v (a language's is 2k + 1)"),
+    ("--task", ["complement", "dyck", "shuffle"], "Set Complement, or Dyck-(2, 4) or Shuffle-2"),
+    ("--vocab", int, "vocabulary size v (a language's is 5)"),
     ("--train-len", int, "train on prefix lengths 1 .. this"),
-    ("--brackets", int, "k bracket pairs (dyck, shuffle)"),
-    ("--max-depth", int, "D, the deepest nesting (dyck)"),
     ("--targets", ["sampled", "exact"], "a sampled next token, or the exact distribution"),
     ("--n-layer", int, "number of blocks"),
     ("--n-head", int, "attention heads per block, dividing --n-embd"),
@@ -1741,18 +1708,15 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--device", ["auto", "cpu", "cuda", "mps"], "auto: cuda, then mps, then cpu"),
     ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
     ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
-    ("--lrs", rates, "--compare, --long, --search: train each placement at every rate "
-     "LR,LR,...; each keeps the one with the lowest training-length TVD (EMA weights) on the "
-     "first seed"),
-    ("--norms", choice_list(tuple(NORMS)), "--compare, --long: only these placements"),
-    ("--regimes", choice_list(REGIMES), "--compare, --long: only these regimes, such as "
-     "sampled/constant,exact/cosine"),
+    ("--lrs", rates, "--compare, --search: train each placement at every rate LR,LR,...; each "
+     "keeps the one with the lowest training-length TVD (EMA weights) on the first seed"),
+    ("--norms", choice_list(tuple(NORMS)), "--compare: only these placements"),
+    ("--regimes", choice_list(REGIMES), "--compare: only these, such as sampled/constant"),
     ("--resume", bool, "a grid: keep the runs that an interrupted command recorded in "
      "OUT/MODE.runs.jsonl (each grid appends every finished run there)"),
 ]
 MODES = [   # (flag, help); at most one
     ("--compare", f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
-    ("--long", "the longer extrapolation: " + ", ".join(f"{k} {v}" for k, v in LONG_MODEL.items())),
     ("--alternatives", "Pre-Norm with dropout, log-length scaling or BOS, against Post-Norm"),
     ("--suite", f"the formal languages, {SUITE_SEEDS} seeds, own settings (its flags override)"),
     ("--theory", "theory.md's hand-built models against their formulas"),
@@ -1814,11 +1778,9 @@ def peak_memory(cfg):
 
 def planned_runs(mode, cfg, args, suite_flags):
     """Every configuration the command will train (grids: one per rate at most)."""
-    if mode in ("compare", "long"):
-        long = mode == "long"
-        return compare_grid(replace(cfg, **LONG_MODEL) if long else cfg,
-                            args.norms or (LONG_NORMS if long else tuple(NORMS)),
-                            args.regimes or (LONG_REGIMES if long else REGIMES))
+    if mode == "compare":   # with --lrs, every rate for every seed: a superset
+        return compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or REGIMES,
+                            args.lrs or (None,))
     if mode == "suite":
         return suite_grid(cfg, **suite_flags)
     if mode == "alternatives":
@@ -1843,12 +1805,8 @@ def check_args(args, parser):
         if getattr(args, name) is not None and not lo <= getattr(args, name) <= hi:
             bad(f"--{name.replace('_', '-')} must be in {lo:g} .. {hi:g}, got {getattr(args, name)}")
     language = args.task in ("dyck", "shuffle")
-    if language and "vocab" in given or not language and given & {"brackets", "max_depth"} or (
-            args.task == "shuffle" and "max_depth" in given):
-        bad("--vocab, --brackets, --max-depth: a language's vocabulary is 2 x --brackets + 1; "
-            "--max-depth is Dyck's")
-    if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep))):
-        bad("--save: a file name, such as runs/model.pt, for a single training run")
+    if language and "vocab" in given:
+        bad("--vocab: a language's vocabulary is 2 x 2 brackets + END = 5")
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
                     if getattr(args, k, None) is not None})
     cfg = language_config(cfg) if language else cfg
@@ -1856,7 +1814,7 @@ def check_args(args, parser):
                "alternatives": (cfg.vocab - 2, "it needs a longer length")}
     top, why = ((256, "a language's limit") if language or mode == "suite"
                 else longest.get(mode, (cfg.vocab - 1, "v - 1")))
-    if mode not in ("long", "search", "handout") and cfg.train_len > top:
+    if mode not in ("search", "handout") and cfg.train_len > top:
         bad(f"--train-len must be at most {top} ({why}), got {cfg.train_len}")
     if mode == "theory" and cfg.vocab > 256:
         bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
@@ -1874,13 +1832,23 @@ def check_args(args, parser):
         bad(f"--batch-size {cfg.batch_size}: about {need / 2**30:.0f} GiB at the peak ({workers} "
             f"run(s) at once; limit {MEMORY_LIMIT // 2**30} GiB): use a smaller --batch-size, "
             "--n-embd, --n-layer, --n-head, --train-len or --vocab")
-    prepare_folders(args, bad)
+    check_paths(args, mode, runs, device, bad)
     return mode, cfg, suite_flags
 
 
-def prepare_folders(args, bad):
-    """Create --save's and --out's folders and write a probe file in each, so that a path
-    that cannot be written (no such folder, no permission, a name too long) fails now."""
+def check_paths(args, mode, runs, device, bad):
+    """--save names a new file, not a folder nor one the run writes; --out's and --save's
+    folders are made and written once (a probe file), so that a path that cannot be written
+    fails now; a grid's runs file holds only runs it would keep (check_runs_file)."""
+    out = os.path.abspath(args.out or "runs")
+    if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep)) or
+                                  os.path.isdir(args.save) or os.path.abspath(args.save) in
+                                  [out] + [os.path.join(out, f) for f in RUN_FILES]):
+        bad("--save: a file name for a single training run, such as runs/model.pt; not a "
+            "folder, nor a file the run writes")
+    if mode not in (None, "theory", "handout"):
+        check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume,
+                        bad)
     for flag, path, folder in (("--save", args.save, False), ("--out", args.out or "runs", True)):
         try:
             if path:
@@ -1891,6 +1859,30 @@ def prepare_folders(args, bad):
                 os.remove(probe)
         except OSError as e:
             bad(f"{flag} {path!r}: {e.strerror or e}")
+
+
+def check_runs_file(path, runs, device, mode, resume, bad):
+    """A grid keeps the runs an interrupted command left in path only with --resume, and only
+    if each line is a run of this grid: a runs file is never overwritten or lost unnoticed."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines() if os.path.exists(path) else []
+    try:
+        json.loads(lines[-1])
+    except (IndexError, ValueError):
+        lines = lines[:-1]   # none, or the last one cut short by a kill: run_grid drops it
+    keys = {"config", "device", "seconds", "raw", "ema"} | ({"bema"} if mode in (
+        "compare", "suite") else set())
+    todo, planned = "rerun the command that wrote it, with --resume, or remove the file", set(runs)
+    if lines and not resume:
+        bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
+    for i, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            ok = keys <= set(r) and r["device"] == device and Config(**r["config"]) in planned
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:
+            bad(f"{path}, line {i}: not a run of this command ({len(lines)} run(s) in the "
+                f"file): {todo}")
 
 
 def stop(message, code):
@@ -1914,23 +1906,14 @@ def main(argv=None):
     RUNS_FILE = None if mode in (None, "theory", "handout") else os.path.join(out,
                                                                           f"{mode}.runs.jsonl")
     RESUMED = 0
-    if resumable() and not args.resume:
-        os.remove(RUNS_FILE)   # an earlier command's runs, not asked for
+    run = {"handout": lambda: handout(out), "theory": lambda: theory(cfg.vocab, cfg.train_len, out),
+           "compare": lambda: compare(cfg, out, command, args.norms, args.regimes, args.lrs),
+           "suite": lambda: suite(cfg, out, command, **suite_flags),
+           "alternatives": lambda: alternatives(cfg, out, command),
+           "search": lambda: search(cfg, out, args.search, command, args.lrs),
+           None: lambda: run_one(cfg, out, args.save)}[mode]
     try:
-        if mode == "handout":
-            handout(out)
-        elif mode == "theory":
-            theory(cfg.vocab, cfg.train_len, out)
-        elif mode in ("compare", "long"):
-            compare(cfg, out, command, mode == "long", args.norms, args.regimes, args.lrs)
-        elif mode == "suite":
-            suite(cfg, out, command, **suite_flags)
-        elif mode == "alternatives":
-            alternatives(cfg, out, command)
-        elif mode == "search":
-            search(cfg, out, args.search, command, args.lrs)
-        else:
-            run_one(cfg, out, args.save)
+        run()
     except KeyboardInterrupt:
         resume = "; the same command with --resume keeps the finished runs"
         stop("interrupted (Ctrl-C); the files already written are whole" + (
