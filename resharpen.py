@@ -330,8 +330,8 @@ def evaluate(model, n_perm=None, task=None):
         seen = p == 0          # the seen tokens; for a language, every illegal next token
         logq = F.log_softmax(logits, dim=-1)
         q = logq.exp()
-        # Exercise 3: TVD to the exact target as the total excess of q over p* (half the L1
-        # distance, and exact even when as small as 1e-30); the mass on seen (invalid) tokens.
+        # Exercise 3: TVD = sum_j max(q_j - p*_j, 0), the excess of q over p* (= half the L1
+        # distance, which float64 halves at 1e-26: exercises.md); the mass on the seen tokens.
         tvd = (q - p).clamp_min(0).sum(-1)
         invalid = (q * seen).sum(-1)
         # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 1).
@@ -1231,11 +1231,11 @@ SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subg
 def search_configs(n, seed, lrs=None):
     """n random configurations, each trained three times from the same seed, once per arm.
     Ranges: vocabulary 16..64; longest training length v/4 .. (v-1)/2 (so that 2 L is a test
-    length); 1..4 heads; width the smallest multiple of the heads >= 2v - 2 (theory.md,
-    Appendix A); lr log-uniform 3e-4..1e-2; batch log-uniform 64..256; 1000..4000 steps;
-    sampled targets, constant learning rate, no dropout. With lrs (the tuned search): arms
-    pre-final and post, each at every rate of lrs, drawn in the corner most favourable to
-    post: batch 192..256, 4000..8000 steps."""
+    length); 1..4 heads; width 2v - 2, rounded up to a multiple of the heads; lr log-uniform
+    3e-4..1e-2; batch log-uniform 64..256; 1000..4000 steps; sampled targets, constant
+    learning rate, no dropout. With lrs (the tuned search): arms pre-final and post, each at
+    every rate of lrs, drawn in the corner most favourable to post: batch 192..256,
+    4000..8000 steps."""
     g = random.Random(seed)
     configs = []
     for i in range(n):
@@ -1634,7 +1634,7 @@ def handout(out):
     students complete; OUT/grade.py: the graders, from test_resharpen.py."""
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("\n## Exercises\n", 1)[1].split("\n## Answers", 1)[0]
+        section = f.read().split("\n## Exercises\n", 1)[1].split("\n## ", 1)[0]   # to the next
     kept = [p for p in section.split("\n\n") if not p.lstrip().startswith("*For the teacher")]
     body = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", "\n\n".join(kept).strip())   # no links
     with open(os.path.join(here, "test_resharpen.py"), encoding="utf-8") as f:

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -3037,111 +3038,134 @@ def random_weights(module, seed=0):
 
 
 def grade_ema(M):
-    """EMA.update with its bias correction: after t updates, averaged() must equal
-    sum_i (1 - w) w^(t-i) theta_i / (1 - w^t), whatever the initialization was; and BEMA,
-    which keeps EMA.update and changes beta(), must follow its own closed form."""
-    thetas = [torch.randn(2, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
-    for decay in (0.5, 0.9):
-        model = torch.nn.Linear(3, 2, bias=False)
-        ema = M.EMA(model, decay)
+    """Exercise 1: EMA.update with its bias correction, on a model of three tensors of three
+    shapes. After t updates, averaged() must equal sum_i (1 - w) w^(t-i) theta_i / (1 - w^t),
+    whatever the initialization was; and update must take its weight from self.beta(self.t),
+    which BEMA overrides: with beta(t) = 1/t the average is the plain mean of theta_1..theta_t."""
+    thetas = [[torch.randn(shape, generator=torch.Generator().manual_seed(k))
+               for shape in ((2, 3), (2,), (4, 2))] for k in range(6)]
+
+    class Mean(M.EMA):
+        def beta(self, t):
+            return 1 / t
+    for decay, make in ((0.5, M.EMA), (0.9, M.EMA), (0.7, Mean)):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 4, bias=False))
+        ema, mean = make(model, decay), make is Mean
         for t, theta in enumerate(thetas, start=1):
             with torch.no_grad():
-                model.weight.copy_(theta)
+                for p, th in zip(model.parameters(), theta):
+                    p.copy_(th)
             ema.update(model)
-            want = sum((1 - decay) * decay ** (t - i) * th
-                       for i, th in enumerate(thetas[:t], start=1)) / (1 - decay**t)
-            got = ema.averaged()[0]
-            assert torch.allclose(got, want, atol=1e-6), (
-                f"EMA(decay={decay}) after update {t}: averaged() differs from the bias-corrected "
-                f"average sum_i (1-w) w^(t-i) theta_i / (1-w^t) by {(got - want).abs().max():.3g}"
-                + (" (after one update it must equal theta_1 exactly)" if t == 1 else ""))
-        assert torch.equal(model.weight, thetas[-1]), (
-            "EMA.update changed the model's own weights: it must only read them")
-    model = torch.nn.Linear(3, 2, bias=False)
-    theta0, ema = model.weight.detach().clone(), model.weight.detach().clone()
-    try:
-        bema = M.BEMA(model)
-        for t, theta in enumerate(thetas, start=1):
-            with torch.no_grad():
-                model.weight.copy_(theta)
-            bema.update(model)
-            b = (10 + t) ** -0.5
-            ema = (1 - b) * ema + b * theta
-        got = bema.averaged()[0]
-    except TypeError as e:
-        raise AssertionError(f"BEMA failed ({e}): EMA.update must take its weight from "
-                             "self.beta(self.t), which BEMA overrides") from None
-    want = (10 + len(thetas)) ** -0.2 * (thetas[-1] - theta0) + ema
-    assert torch.allclose(got, want, atol=1e-6), (
-        "BEMA, which reuses EMA.update, differs from its closed form: update must take its "
-        "weight from self.beta(self.t)")
+            weights = [1 / t if mean else (1 - decay) * decay ** (t - i) / (1 - decay**t)
+                       for i in range(1, t + 1)]
+            for j, got in enumerate(ema.averaged()):
+                want = sum(w * th[j] for w, th in zip(weights, thetas))
+                assert torch.allclose(got, want, atol=1e-6), (
+                    f"Exercise 1: {'EMA with beta(t) = 1/t' if mean else f'EMA(decay={decay})'} "
+                    f"after update {t}: averaged()[{j}] (shape {tuple(want.shape)}) differs from "
+                    + ("the plain mean: update must take its weight from self.beta(self.t)"
+                       if mean else "sum_i (1-w) w^(t-i) theta_i / (1-w^t)")
+                    + f" by {(got - want).abs().max():.3g}"
+                    + (": update must move every tensor of the model" if j else ""))
+        assert all(torch.equal(p, th) for p, th in zip(model.parameters(), thetas[-1])), (
+            "Exercise 1: EMA.update changed the model's own weights: it must only read them")
 
 
 def grade_post(M):
-    """The 'post' branch of Block.forward: x + LN(dropout(Attn(x))), then
-    x + LN(dropout(MLP(x))) with an MLP, against PyTorch's own attention and layer norm, and
-    with dropout on, against the block's own modules in that order."""
+    """Exercise 2: the 'post' branch of Block.forward, x + LN(dropout(Attn(x))), then
+    x + LN(dropout(MLP(x))) with an MLP, against the formula written with PyTorch's functions
+    on the block's weights: dropout off, and on with the same random draws."""
     for mlp in (False, True):
         block = random_weights(M.Block(M.Config(n_embd=8, n_head=2, norm="post", mlp=mlp,
-                                                dropout=0.5))).eval()
+                                                dropout=0.5)))
         x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
         q, k, v = (t.view(3, 5, 2, 4).transpose(1, 2)
                    for t in F.linear(x, block.attn.c_attn.weight).split(8, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        a = F.linear(y.transpose(1, 2).reshape(3, 5, 8), block.attn.c_proj.weight)
-        ln = lambda z, m: F.layer_norm(z, (8,), m.weight, m.bias, m.eps)  # noqa: E731
-        want = x + ln(a, block.ln_1)
-        if mlp:
-            want = want + ln(block.mlp(want), block.ln_2)
-        got, att = block(x)
         scores = (q @ k.transpose(-2, -1)) / 2.0 + torch.full((5, 5), float("-inf")).triu(1)
-        assert att.shape == (3, 2, 5, 5) and torch.allclose(att, scores.softmax(-1), atol=1e-6), (
-            "Block.forward with norm='post' must return, as its second value, the attention "
-            "weights (B, n_head, T, T) of attention on x itself: in 'post' the attention reads "
-            "the residual stream, not LN(x)")
-        assert torch.allclose(got, want, atol=1e-5), (
-            f"Block.forward with norm='post', mlp={mlp}, dropout off: expected x + LN(Attn(x))"
-            + (" followed by x + LN(MLP(x))" if mlp else "") +
-            f", with ln_1{' and ln_2' if mlp else ''}; largest difference "
-            f"{(got - want).abs().max():.3g}")
-        block.train()   # dropout on: the same random draws, in the order of the text
-        torch.manual_seed(0)
-        got, _ = block(x)
-        torch.manual_seed(0)
-        want = x + block.ln_1(block.drop(block.attn(x)[0]))
-        if mlp:
-            want = want + block.ln_2(block.drop(block.mlp(want)))
-        assert torch.allclose(got, want, atol=1e-5), (
-            f"Block.forward with norm='post', mlp={mlp}, dropout on: expected "
-            "x + LN(dropout(Attn(x))): dropout acts on the sublayer's output, before its norm")
+        for train in (False, True):   # dropout on: the same random draws, in the text's order
+            block.train(train)
+            torch.manual_seed(0)
+            got, att = block(x)
+            torch.manual_seed(0)
+            drop = lambda z: F.dropout(z, 0.5, train)  # noqa: E731
+            y = (drop(scores.softmax(-1)) @ v).transpose(1, 2).reshape(3, 5, 8)
+            a = drop(F.linear(y, block.attn.c_proj.weight))
+            ln = lambda z, m: F.layer_norm(z, (8,), m.weight, m.bias, m.eps)  # noqa: E731
+            want = x + ln(a, block.ln_1)
+            if mlp:
+                w1, w2 = block.mlp[0].weight, block.mlp[2].weight
+                want = want + ln(drop(F.linear(F.gelu(F.linear(want, w1)), w2)), block.ln_2)
+            assert att.shape == (3, 2, 5, 5) and torch.allclose(att, scores.softmax(-1)), (
+                "Exercise 2: Block.forward with norm='post' must return, as its second value, "
+                "the attention weights (B, n_head, T, T) of attention on x itself: in 'post' "
+                "the attention reads the residual stream, not LN(x)")
+            assert torch.allclose(got, want, atol=1e-5), (
+                f"Exercise 2: Block.forward with norm='post', mlp={mlp}, dropout "
+                f"{'on' if train else 'off'}: expected x + LN(dropout(Attn(x)))"
+                + (" followed by x + LN(dropout(MLP(x)))" if mlp else "") +
+                f", with ln_1{' and ln_2' if mlp else ''}: dropout acts on the sublayer's "
+                f"output, before its norm; largest difference {(got - want).abs().max():.3g}")
+
+
+class StandIn(torch.nn.Module):
+    """A model and its task, for evaluate(): the inputs idx (n, T) of tokens 0..6, the target
+    uniform over the tokens not yet seen, uniform attention, and logits made from the seen
+    tokens (n, T, 7) and their count s (n, T, 1)."""
+
+    def __init__(self, M, idx, make_logits):
+        super().__init__()
+        self.cfg, self.dummy = M.Config(vocab=7), torch.nn.Parameter(torch.zeros(1))
+        self.idx, self.seen = idx, F.one_hot(idx, 7).cumsum(1) > 0
+        self.s = self.seen.sum(-1, keepdim=True).double()
+        self.logits = make_logits(self.seen, self.s).double()
+
+    def eval_inputs(self, n):
+        return self.idx
+
+    def target(self, idx, dtype):
+        return (~self.seen).to(dtype) / (7 - self.s).to(dtype)
+
+    def forward(self, idx, return_attn=False):
+        att = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.double).tril()
+        return self.logits, [(att / att.sum(-1, keepdim=True)).expand(len(idx), 1, -1, -1)]
 
 
 def grade_metrics(M):
-    """evaluate()'s TVD, invalid mass and logit gap at every length, against a loop over
-    inputs and lengths written from the definitions."""
-    cfg = M.Config(vocab=6, train_len=3, n_embd=8, n_head=2)
-    model = random_weights(M.Transformer(cfg)).double().eval()
-    m = M.evaluate(model, n_perm=4)
-    idx = M.SetComplement(cfg).eval_inputs(4)
-    with torch.no_grad():
-        logits = model(idx).double()
-    for s in range(1, cfg.vocab):
-        tvd = invalid = gap = 0.0
-        for b in range(4):
-            z = logits[b, s - 1]
-            q = z.softmax(-1)
-            seen = set(idx[b, :s].tolist())
-            p = torch.tensor([0.0 if j in seen else 1 / (cfg.vocab - s) for j in range(6)],
-                             dtype=torch.double)
-            tvd += 0.5 * (q - p).abs().sum().item() / 4
-            invalid += sum(q[j].item() for j in seen) / 4
-            unseen = [j for j in range(6) if j not in seen]
-            gap += (z[unseen].mean() - z[sorted(seen)].mean()).item() / 4
-        for name, want in (("tvd", tvd), ("invalid_mass", invalid), ("logit_gap", gap)):
-            got = m[name][s - 1]
-            assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (
-                f"evaluate()['{name}'] at length s = {s}: expected {want:.10g} (from the "
-                f"definition, averaged over 4 inputs), got {got:.10g}")
+    """Exercise 3: evaluate()'s TVD, invalid mass and logit gap at every length, on logits
+    built so that each is known in closed form."""
+    g = torch.Generator().manual_seed(0)
+    repeats = torch.randint(0, 7, (4, 5), generator=g)   # as in a language: s is not the position
+    distinct = torch.stack([torch.randperm(7, generator=g)[:6] for _ in range(4)])  # s = 1..6
+    a = torch.linspace(0.1, 0.3, 5, dtype=torch.double)[:, None]   # (5, 1): by position
+    first = lambda seen: ~seen & ((~seen).cumsum(-1) == 1)  # noqa: E731  the first unseen token
+
+    def spread(group):   # +0.4, -0.4, +0.4, ... over a group's tokens (0 for an odd one out)
+        rank, size = group.cumsum(-1) - 1, group.sum(-1, keepdim=True)
+        return torch.where(group & (rank < size - size % 2), 0.4 * (1 - 2 * (rank % 2)).double(), 0.0)
+    balanced = lambda s: s / (s + (7 - s) * math.exp(60))  # noqa: E731  TVD = invalid mass
+    cases = [   # what the logits are, the inputs, the logits, the closed forms (n, T, 1)
+        ("q = a on the seen tokens, 1/n + 0.1 on the first of the n unseen ones, less than 1/n "
+         "on the others", repeats, lambda seen, s: torch.where(seen, a / s, torch.where(
+             first(seen), 1 / (7 - s) + 0.1, (0.9 - a - 1 / (7 - s)) / (6 - s))).log(),
+         lambda s: {"tvd": a + 0.1 + 0 * s, "invalid_mass": a + 0 * s}),
+        ("logits 0 on the seen tokens and 60 on the unseen ones (TVD about 1e-26; at s = 6 "
+         "q rounds to p* on the unseen token, so all of it is the excess on the seen ones)",
+         distinct, lambda seen, s: torch.where(seen, 0.0, 60.0),
+         lambda s: {"invalid_mass": balanced(s),
+                    "tvd": torch.where(s == 6, balanced(s), math.nan)}),
+        ("logits -0.7 on the seen tokens and 1.5 on the unseen ones, each group's with +-0.4 "
+         "that sums to 0 over the group", repeats,
+         lambda seen, s: 2.2 * (~seen).double() - 0.7 + spread(seen) + spread(~seen),
+         lambda s: {"logit_gap": 2.2 + 0 * s})]
+    for logits_are, idx, make_logits, closed_forms in cases:
+        model = StandIn(M, idx, make_logits)
+        m = M.evaluate(model, n_perm=len(idx), task=model)
+        for name, want in closed_forms(model.s).items():
+            for t, (got, w) in enumerate(zip(m[name], want.mean(0)[:, 0].tolist())):
+                assert math.isnan(w) or got == pytest.approx(w, rel=1e-9, abs=0), (
+                    f"Exercise 3: evaluate()['{name}'] at length {t + 1}, with {logits_are}: "
+                    f"expected {w:.10g} (from the definition, averaged over {len(idx)} inputs),"
+                    f" got {got:.10g}")
 
 
 def test_write_ema():
@@ -3164,15 +3188,20 @@ WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
     grade_ema: [("beta = self.beta(self.t)", "beta = 1 - self.decay"),     # no bias correction
                 ("beta = self.beta(self.t)",                                 # breaks BEMA
                  "beta = (1 - self.decay) / (1 - self.decay**self.t)"),
-                ("avg.lerp_(p, beta)", "avg.lerp_(p, 1 - beta)")],          # weights swapped
+                ("avg.lerp_(p, beta)", "avg.lerp_(p, 1 - beta)"),           # weights swapped
+                ("zip(self.shadow, model", "zip(self.shadow[:1], model")],   # the first tensor only
     grade_post: [("x = x + self.ln_1(self.drop(a))", "x = self.ln_1(x + self.drop(a))"),
                  ("x = x + self.ln_1(self.drop(a))", "x = x + self.drop(self.ln_1(a))"),
                  ("            a, att = self.attn(x)\n            # Exercise 2",
                   "            a, att = self.attn(self.ln_1(x))\n            # Exercise 2")],
     grade_metrics: [("tvd = (q - p).clamp_min(0).sum(-1)", "tvd = (q - p).abs().sum(-1)"),
+                    ("tvd = (q - p).clamp_min(0).sum(-1)",                 # the form not asked
+                     "tvd = 0.5 * (q - p).abs().sum(-1)"),
                     ("invalid = (q * seen).sum(-1)", "invalid = (q * ~seen).sum(-1)"),
                     ("- (logits * seen).sum(-1) / seen.sum(-1))",
-                     "- (logits * seen).sum(-1) / T)")],
+                     "- (logits * seen).sum(-1) / T)"),
+                    ("- (logits * seen).sum(-1) / seen.sum(-1))",          # the position as s
+                     "- (logits * seen).sum(-1) / torch.arange(1, T + 1))")],
 }
 
 
@@ -3181,15 +3210,14 @@ WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
 def test_each_grader_passes_the_reference_and_fails_mistakes_and_the_starter(
         grader, tmp_path, monkeypatch):
     grader(R)
-    source = read("resharpen.py")
+    source, exercise = read("resharpen.py"), {grade_ema: 1, grade_post: 2, grade_metrics: 3}[grader]
     for right, wrong in WRONG_CODE[grader]:
         assert source.count(right) == 1, right
         student_file(tmp_path, monkeypatch, source.replace(right, wrong))
         with pytest.raises(AssertionError) as e:
             grader(student_module())
-        assert "expected" in str(e.value) or "differs" in str(e.value) or "must" in str(e.value)
+        assert f"Exercise {exercise}: " in str(e.value), wrong
     student_file(tmp_path, monkeypatch, R.starter_source())
-    exercise = {grade_ema: 1, grade_post: 2, grade_metrics: 3}[grader]
     with pytest.raises(NotImplementedError, match=f"Exercise {exercise}"):
         grader(student_module())
 
@@ -3225,6 +3253,15 @@ def test_the_handout_stands_alone_and_holds_no_answer(tmp_path, capsys):
             assert line not in text, line
     for n in (1, 2, 3):
         assert f'NotImplementedError("Exercise {n}:' in starter
-    for right, _ in [pairs[0] for pairs in WRONG_CODE.values()]:
-        assert right not in starter and right not in grade
-    assert "WRONG_CODE" not in grade and "def test_write_post" in grade
+    assert "WRONG_CODE" not in grade and "def test_write_post" in grade and "Answers" not in starter
+    # No line of grade.py or starter.py computes an answer, in any spelling we can foresee:
+    # spaces, comments and the object a name is read from (self., block., M., F.) dropped.
+    spell = lambda code: re.sub(r"\b[A-Za-z_]\w*\.|\s", "", re.sub(r"#.*", "", code))  # noqa: E731
+    handed = spell(starter) + spell(grade)
+    region = re.findall(r"# Exercise \d: .*?# end of Exercise \d", read("resharpen.py"), re.S)
+    answers = [spell(line).split("=", 1)[-1] for line in "\n".join(region).splitlines()]
+    answers = [a for a in answers if len(a) > 10] + [   # and the pieces other spellings share
+        "lerp_(", "ln_1(drop(", "ln_2(drop(", "clamp_min(0).sum(", ".abs().sum(", "(q*seen)",
+        "].mean()-"]
+    assert len(answers) >= 15 and not [a for a in answers if a in handed]
+    assert not re.search(r"\(1-(\w+)\)\*\w+\+\1\*", handed)   # (1 - b) * avg + b * theta
