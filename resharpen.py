@@ -430,17 +430,11 @@ def average_name(cfg):
 # END. A stream is a run of strings, each ended by END, after which the next string starts
 # from the empty state; so every position has an exact next-token distribution, given by a
 # small automaton (theory.md, Appendix D).
-def language_config(base=None, **changes):
-    """A Config for a language: its vocabulary is always 2k + 1 (k opens, k closes, END)."""
-    cfg = replace(base or Config(), **changes)
-    return replace(cfg, vocab=2 * cfg.brackets + 1)
-
-
 class Language:
     """Dyck-(k, D) or Shuffle-k (cfg.task 'dyck' or 'shuffle'), with SetComplement's methods."""
 
     def __init__(self, cfg):
-        assert cfg.vocab == 2 * cfg.brackets + 1, "make a language's Config with language_config"
+        assert cfg.vocab == 2 * cfg.brackets + 1, "make a language with make_task"
         self.cfg = cfg
         self.name = (f"Dyck-({cfg.brackets}, {cfg.max_depth})" if cfg.task == "dyck"
                      else f"Shuffle-{cfg.brackets}")
@@ -513,8 +507,10 @@ class Language:
 
 
 def make_task(cfg):
-    """The task object cfg names, for train() and evaluate()."""
-    return SetComplement(cfg) if cfg.task == "complement" else Language(cfg)
+    """The task object cfg names, for train() and evaluate(). A language's vocabulary is
+    always 2k + 1 (k opens, k closes, END): its Config, with that vocabulary, is task.cfg."""
+    return (SetComplement(cfg) if cfg.task == "complement" else
+            Language(replace(cfg, vocab=2 * cfg.brackets + 1)))
 
 
 # ----------------------------------------------------------------------------- log-length scaling
@@ -1458,7 +1454,7 @@ def suite_grid(base, **overrides):
     """Every language x SUITE_NORMS x SUITE_SEEDS seeds, with SUITE_MODEL's settings."""
     seeds = [base.seed + i for i in range(SUITE_SEEDS)]
     settings = {**SUITE_MODEL, **overrides, "ema": 0.0, "bema": False}
-    return [language_config(base, **settings, **lang, norm=norm, seed=s)
+    return [make_task(replace(base, **settings, **lang, norm=norm, seed=s)).cfg
             for lang in SUITE_LANGUAGES for norm in SUITE_NORMS for s in seeds]
 
 
@@ -1477,7 +1473,7 @@ def suite_pairs(done, L):
         for c, r, _ in done:
             if c.task == lang["task"]:
                 ext[c.norm][c.seed] = summarize(r["ema"], L)["tvd_extrap"]
-        name = make_task(language_config(**lang)).name
+        name = make_task(Config(**lang)).name
         for rival in (n for n in SUITE_NORMS if n != "post"):
             d = [ext[rival][k] - ext["post"][k] for k in sorted(ext["post"])]
             m, lo, hi = mean_interval(d)
@@ -1512,7 +1508,7 @@ def plot_suite(done):
     L = done[0][0].train_len
     runs = lambda lang, norm: [r["ema"]["tvd"] for c, r, _ in done  # noqa: E731
                                if c.task == lang["task"] and c.norm == norm]
-    return plot_panels([(make_task(language_config(**lang)).name,
+    return plot_panels([(make_task(Config(**lang)).name,
                          "TVD to the exact next-token distribution", dict(xlabel="position"),
                          {norm: (COLORS[norm], runs(lang, norm), dict(lw=2))
                           for norm in SUITE_NORMS}) for lang in SUITE_LANGUAGES],
@@ -1809,7 +1805,7 @@ def check_args(args, parser):
         bad("--vocab: a language's vocabulary is 2 x 2 brackets + END = 5")
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
                     if getattr(args, k, None) is not None})
-    cfg = language_config(cfg) if language else cfg
+    cfg = make_task(cfg).cfg if language else cfg
     longest = {"compare": ((cfg.vocab - 1) // 2, "--compare tests 2 x --train-len"),
                "alternatives": (cfg.vocab - 2, "it needs a longer length")}
     top, why = ((256, "a language's limit") if language or mode == "suite"

@@ -1703,7 +1703,7 @@ def test_bema_without_correction_is_the_ema_with_the_same_schedule():
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
 def test_language_samplers_emit_only_legal_streams(lang):
-    cfg = R.language_config(**lang)
+    cfg = R.make_task(R.Config(**lang)).cfg
     seqs = R.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0))
     for seq in seqs.tolist():
         assert legal_prefix(seq, cfg.task, cfg.brackets, cfg.max_depth)
@@ -1711,7 +1711,7 @@ def test_language_samplers_emit_only_legal_streams(lang):
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
 def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
-    cfg = R.language_config(**lang)
+    cfg = R.make_task(R.Config(**lang)).cfg
     seqs = R.Language(cfg).sample(40, 25, torch.Generator().manual_seed(1))
     p = R.Language(cfg).target(seqs, torch.double)
     assert torch.allclose(p.sum(-1), torch.ones(40, 25, dtype=torch.double))
@@ -1728,7 +1728,7 @@ def test_language_targets_equal_brute_force_over_all_short_streams(lang):
     # automaton (Dyck) or counted (Shuffle: uniform over legal next tokens, so a stream's
     # weight is the product of 1 / (number of legal next tokens)).
     import itertools
-    cfg = R.language_config(**lang)
+    cfg = R.make_task(R.Config(**lang)).cfg
     k, D, v, n = cfg.brackets, cfg.max_depth, cfg.vocab, 6
 
     def weight(seq):
