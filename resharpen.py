@@ -1159,10 +1159,11 @@ ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
 }
 
 
-def alternative_runs(base, changes):
+def alternatives_grid(base):
+    """Each remedy on the comparison's setting (sampled targets, constant rate), 3 seeds."""
     sampled = dict(norm="pre", targets="sampled", lr_schedule="constant", ema=0.0, bema=False)
     return [replace(base, **{**sampled, **changes}, seed=base.seed + i)
-            for i in range(COMPARE_SEEDS)]
+            for changes in ALTERNATIVES.values() for i in range(COMPARE_SEEDS)]
 
 
 def alternatives_table(named, train_len, v):
@@ -1202,8 +1203,8 @@ def plot_alternatives(named, cfg):
 
 def alternatives(base, out, command):
     """The remedies side by side, 3 seeds each. Writes alternatives.md, .json and .png."""
-    runs = [cfg for changes in ALTERNATIVES.values() for cfg in alternative_runs(base, changes)]
-    done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
+    done, wall, workers = run_grid(alternatives_grid(base), pick_device(base.device),
+                                   averages=("ema",))
     k = COMPARE_SEEDS   # run_grid returns the runs in grid order: k seeds per remedy
     named = {name: [r for _, r, _ in done[i * k:(i + 1) * k]]
              for i, name in enumerate(ALTERNATIVES)}
@@ -1424,8 +1425,7 @@ def search(base, out, n, command, lrs=None):
     """python resharpen.py --search N: N random configurations, one run per arm each (with
     lrs: one per arm and rate, each arm at its best rate)."""
     configs = search_configs(n, base.seed, lrs)
-    runs = [cfg for group in configs for cfg in group]
-    done, wall, workers = run_grid(runs, pick_device(base.device), averages=("ema",))
+    done, wall, workers = run_grid(sum(configs, []), pick_device(base.device), averages=("ema",))
     results = {c: r for c, r, _ in done}
     summary, text = search_text(configs, results, n, lrs)
     text += "\n\n"
@@ -1644,11 +1644,11 @@ def handout(out):
 
 
 # ----------------------------------------------------------------------------- command line
-MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos", "dropout",
-               "attn_scale", "steps", "batch_size", "lr"}
+MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos", "attn_scale",
+               "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
     "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "alternatives": MODEL_FLAGS - {"bos", "dropout", "attn_scale"} | {"resume"},
+    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"},
     "search": {"lrs", "resume"},
     "suite": set(SUITE_MODEL) | {"resume"},
     "theory": {"vocab", "train_len"},
@@ -1656,30 +1656,19 @@ MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
 }
 LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
           "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "search": (1, 100),
-          "seed": (0, 2**32 - SUITE_SEEDS), "lr": (1e-12, 1e6), "ema": (0, 0.999999),
-          "dropout": (0, 0.99)}
+          "seed": (0, 2**32 - SUITE_SEEDS), "lr": (1e-12, 1e6), "ema": (0, 0.999999)}
 MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_memory)
 
 
-def rates(text):
-    """--lrs: learning rates separated by commas, each in (0, 1]."""
-    try:
-        xs = [float(x) for x in text.split(",")]
-    except ValueError:
-        xs = [0.0]
-    if not all(0 < x <= 1 for x in xs):   # nan fails too
-        raise argparse.ArgumentTypeError(f"rates in (0, 1] separated by commas, such as "
-                                         f"0.001,0.01; got {text}")
-    return xs
-
-
-def choice_list(allowed):
-    """An argparse type: a comma-separated list of distinct items of allowed."""
+def comma_list(item, ok, wants):
+    """An argparse type: distinct items separated by commas, each item(text) and ok(item)."""
     def parse(text):
-        xs = tuple(tuple(x.split("/")) if "/" in x else x for x in text.split(","))
-        if not set(xs) <= set(allowed) or len(set(xs)) < len(xs):
-            names = ", ".join("/".join(a) if isinstance(a, tuple) else a for a in allowed)
-            raise argparse.ArgumentTypeError(f"each of {names} at most once, got {text}")
+        try:
+            xs = tuple(map(item, text.split(",")))
+        except ValueError:
+            xs = ()
+        if not (xs and all(map(ok, xs)) and len(set(xs)) == len(xs)):   # nan is not ok
+            raise argparse.ArgumentTypeError(f"{wants}, got {text}")
         return xs
     return parse
 
@@ -1694,7 +1683,6 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--n-embd", int, "width of the residual stream"),
     ("--mlp", bool, "add an MLP to each block (off: attention only)"),
     ("--bos", bool, "prepend a beginning-of-sequence token to every input"),
-    ("--dropout", float, "dropout on the attention weights and on each block's outputs"),
     ("--attn-scale", list(ATTENTIONS), "logn: scores times s_h log(n) (Scalable-Softmax)"),
     ("--steps", int, "optimizer steps"),
     ("--batch-size", int, "sequences per step"),
@@ -1704,20 +1692,34 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--device", ["auto", "cpu", "cuda", "mps"], "auto: cuda, then mps, then cpu"),
     ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
     ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
-    ("--lrs", rates, "--compare, --search: train each placement at every rate LR,LR,...; each "
-     "keeps the one with the lowest training-length TVD (EMA weights) on the first seed"),
-    ("--norms", choice_list(tuple(NORMS)), "--compare: only these placements"),
-    ("--regimes", choice_list(REGIMES), "--compare: only these, such as sampled/constant"),
+    ("--lrs", comma_list(float, lambda x: 0 < x <= 1, "distinct rates in (0, 1] separated by "
+                         "commas, such as 0.001,0.01;"), "--compare, --search: train each "
+     "placement at every rate LR,LR,...; each keeps the one with the lowest training-length TVD "
+     "(EMA weights) on the first seed"),
+    ("--norms", comma_list(str, NORMS.__contains__, f"each of {', '.join(NORMS)} at most once"),
+     "--compare: only these placements"),
+    ("--regimes", comma_list(lambda x: tuple(x.split("/")), REGIMES.__contains__, "each of "
+                             f"{', '.join(map('/'.join, REGIMES))} at most once"),
+     "--compare: only these, such as sampled/constant"),
     ("--resume", bool, "a grid: keep the runs that an interrupted command recorded in "
      "OUT/MODE.runs.jsonl (each grid appends every finished run there)"),
+    ("--norm", list(NORMS), "where the LayerNorm sits, below"),
+    ("--post-norm", dict(action="store_const", dest="norm", const="post"),
+     "shorthand for --norm post: x + LN(Attn(x))"),
+    ("--ema", float, "EMA decay of the weights; 0 = off"),
+    ("--bema", bool, "average with BEMA (bias-corrected EMA) instead"),
+    ("--compare", bool, f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
+    ("--alternatives", bool, "Pre-Norm with dropout, log-length scaling or BOS, against Post-Norm"),
+    ("--suite", bool, f"the formal languages, {SUITE_SEEDS} seeds, own settings (its flags "
+     "override)"),
+    ("--theory", bool, "theory.md's hand-built models against their formulas"),
+    ("--handout", bool, "a class's exercise sheet and starter file"),
+    ("--search", dict(type=int, nargs="?", const=SEARCH_DEFAULT, metavar="N"), "paired random "
+     f"search, N configurations (default {SEARCH_DEFAULT}; the committed one: {SEARCH_N})"),
 ]
-MODES = [   # (flag, help); at most one
-    ("--compare", f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
-    ("--alternatives", "Pre-Norm with dropout, log-length scaling or BOS, against Post-Norm"),
-    ("--suite", f"the formal languages, {SUITE_SEEDS} seeds, own settings (its flags override)"),
-    ("--theory", "theory.md's hand-built models against their formulas"),
-    ("--handout", "a class's exercise sheet and starter file"),
-]
+GRIDS = ("compare", "alternatives", "search", "suite")   # the modes that train
+EXCLUSIVE = [{"--norm", "--post-norm"}, {"--ema", "--bema"},   # at most one of each
+             {f"--{m}" for m in GRIDS + ("theory", "handout")}]   # instead of one training run
 
 
 class Parser(argparse.ArgumentParser):
@@ -1728,32 +1730,17 @@ class Parser(argparse.ArgumentParser):
 def build_parser():
     """Every flag defaults to None, so that check_args sees which were given; Config's
     defaults (shown in --help) fill the rest."""
-    d = Config(ema=0.0)
     p = Parser(allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-               description=__doc__.split("\n\n")[1],
-               epilog="where the LayerNorm sits (--norm):\n" + "\n".join(
-                   f"  {k:14s} {v}" for k, v in NORMS.items()))
+               description=__doc__.split("\n\n")[1], epilog="where the LayerNorm sits "
+               "(--norm):\n" + "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
+    groups = [(names, p.add_mutually_exclusive_group()) for names in EXCLUSIVE]
     for name, kind, text in FLAGS:
-        default = getattr(d, name[2:].replace("-", "_"), None)
+        default = getattr(Config(), name[2:].replace("-", "_"), None)
         text += f" (default {default})" if default is not None and kind is not bool else ""
-        kw = (dict(choices=kind) if isinstance(kind, list) else
-              dict(action="store_true") if kind is bool else dict(type=kind))
-        p.add_argument(name, help=text, default=None, **kw)
-    norm = p.add_mutually_exclusive_group()
-    norm.add_argument("--norm", choices=list(NORMS), help="where the LayerNorm sits, below "
-                      f"(default {d.norm})")
-    norm.add_argument("--post-norm", action="store_const", dest="norm", const="post",
-                      help="shorthand for --norm post: x + LN(Attn(x))")
-    average = p.add_mutually_exclusive_group()
-    average.add_argument("--ema", type=float, help="EMA decay of the weights; 0 = off (default)")
-    average.add_argument("--bema", action="store_true", default=None,
-                         help="average with BEMA (bias-corrected EMA) instead")
-    mode = p.add_mutually_exclusive_group()   # instead of one training run
-    for name, text in MODES:
-        mode.add_argument(name, action="store_true", help=text)
-    mode.add_argument("--search", type=int, nargs="?", const=SEARCH_DEFAULT, metavar="N",
-                      help=f"paired random search, N configurations (default {SEARCH_DEFAULT}; "
-                      f"the committed one: {SEARCH_N})")
+        kw = (kind if isinstance(kind, dict) else dict(choices=kind) if isinstance(kind, list)
+              else dict(action="store_true") if kind is bool else dict(type=kind))
+        group = next((g for names, g in groups if name in names), p)
+        group.add_argument(name, help=text, default=None, **kw)
     return p
 
 
@@ -1773,17 +1760,13 @@ def peak_memory(cfg):
 
 
 def planned_runs(mode, cfg, args, suite_flags):
-    """Every configuration the command will train (grids: one per rate at most)."""
-    if mode == "compare":   # with --lrs, every rate for every seed: a superset
-        return compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or REGIMES,
-                            args.lrs or (None,))
-    if mode == "suite":
-        return suite_grid(cfg, **suite_flags)
-    if mode == "alternatives":
-        return [c for ch in ALTERNATIVES.values() for c in alternative_runs(cfg, ch)]
-    if mode == "search":
-        return [c for group in search_configs(args.search, cfg.seed, args.lrs) for c in group]
-    return [] if mode in ("theory", "handout") else [cfg]
+    """Every configuration the command will train (--compare --lrs: every rate, every seed)."""
+    return {"compare": lambda: compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or
+                                            REGIMES, args.lrs or (None,)),
+            "suite": lambda: suite_grid(cfg, **suite_flags),
+            "alternatives": lambda: alternatives_grid(cfg),
+            "search": lambda: sum(search_configs(args.search, cfg.seed, args.lrs), []),
+            None: lambda: [cfg]}.get(mode, list)()
 
 
 def check_args(args, parser):
@@ -1842,15 +1825,14 @@ def check_paths(args, mode, runs, device, bad):
                                   [out] + [os.path.join(out, f) for f in RUN_FILES]):
         bad("--save: a file name for a single training run, such as runs/model.pt; not a "
             "folder, nor a file the run writes")
-    if mode not in (None, "theory", "handout"):
+    if mode in GRIDS:
         check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume,
                         bad)
-    for flag, path, folder in (("--save", args.save, False), ("--out", args.out or "runs", True)):
+    for flag, path in (("--save", args.save), ("--out", args.out or "runs")):
+        probe = path and (os.path.join(path, ".probe") if flag == "--out" else path + ".probe")
         try:
-            if path:
-                os.makedirs(path if folder else os.path.dirname(os.path.abspath(path)),
-                            exist_ok=True)
-                probe = os.path.join(path, ".probe") if folder else path + ".probe"
+            if probe:
+                os.makedirs(os.path.dirname(os.path.abspath(probe)), exist_ok=True)
                 open(probe, "wb").close()
                 os.remove(probe)
         except OSError as e:
@@ -1865,8 +1847,7 @@ def check_runs_file(path, runs, device, mode, resume, bad):
         json.loads(lines[-1])
     except (IndexError, ValueError):
         lines = lines[:-1]   # none, or the last one cut short by a kill: run_grid drops it
-    keys = {"config", "device", "seconds", "raw", "ema"} | ({"bema"} if mode in (
-        "compare", "suite") else set())
+    keys = {"config", "device", "seconds", "raw", "ema", *["bema"] * (mode in ("compare", "suite"))}
     todo, planned = "rerun the command that wrote it, with --resume, or remove the file", set(runs)
     if lines and not resume:
         bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
@@ -1879,11 +1860,6 @@ def check_runs_file(path, runs, device, mode, resume, bad):
         if not ok:
             bad(f"{path}, line {i}: not a run of this command ({len(lines)} run(s) in the "
                 f"file): {todo}")
-
-
-def stop(message, code):
-    print(f"resharpen.py: {message}", file=sys.stderr)
-    sys.exit(code)
 
 
 def main(argv=None):
@@ -1899,8 +1875,7 @@ def main(argv=None):
         "--out=") or i and argv[i - 1] == "--out")]   # what changes no number
     command = shlex.join(["python", "resharpen.py"] + shown)   # for the tables
     global RUNS_FILE, RESUMED
-    RUNS_FILE = None if mode in (None, "theory", "handout") else os.path.join(out,
-                                                                          f"{mode}.runs.jsonl")
+    RUNS_FILE = os.path.join(out, f"{mode}.runs.jsonl") if mode in GRIDS else None
     RESUMED = 0
     run = {"handout": lambda: handout(out), "theory": lambda: theory(cfg.vocab, cfg.train_len, out),
            "compare": lambda: compare(cfg, out, command, args.norms, args.regimes, args.lrs),
@@ -1909,18 +1884,18 @@ def main(argv=None):
            "search": lambda: search(cfg, out, args.search, command, args.lrs),
            None: lambda: run_one(cfg, out, args.save)}[mode]
     try:
-        run()
+        return run()
     except KeyboardInterrupt:
-        resume = "; the same command with --resume keeps the finished runs"
-        stop("interrupted (Ctrl-C); the files already written are whole" + (
-            resume if resumable() else ""), 130)
+        code, why = 130, "interrupted (Ctrl-C); the files already written are whole" + (
+            "; the same command with --resume keeps the finished runs" if resumable() else "")
     except FloatingPointError as e:
-        where = f"The finished runs are in {RUNS_FILE}." if resumable() else "Nothing was written."
-        stop(f"stopped: {e}; try a smaller --lr. {where}", 1)
+        code, why = 1, f"stopped: {e}; try a smaller --lr. " + (
+            f"The finished runs are in {RUNS_FILE}." if resumable() else "Nothing was written.")
     except (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)):   # torch < 2.5
-        stop("out of memory; try a smaller --batch-size, --vocab or --n-embd", 1)
+        code, why = 1, "out of memory; try a smaller --batch-size, --vocab or --n-embd"
     finally:
         RUNS_FILE = None
+    parser.exit(code, f"resharpen.py: {why}\n")
 
 
 if __name__ == "__main__":

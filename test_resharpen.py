@@ -2336,7 +2336,7 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
     (["--norm", "pre", "--post-norm"], "--post-norm"),
     (["--ema", "0.9", "--bema"], "--bema"),
     (["--attn-scale", "cubic"], "--attn-scale"),
-    (["--alternatives", "--dropout", "0.1"], "--dropout"),
+    (["--dropout", "0.1"], "--dropout"),         # not a flag: no documented command used it
     (["--search", "0"], "--search"),
     (["--search", "4", "--vocab", "8"], "--vocab"),
     (["--lrs", "0.1,2"], "--lrs"),
@@ -2509,9 +2509,9 @@ def test_suite_honours_the_model_flags_it_is_given(monkeypatch, tmp_path):
 def test_the_tables_name_every_flag_that_was_given(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(R, "compare", lambda base, out, command, *a: seen.append(command))
-    R.main(["--compare", "--bos", "--dropout", "0.3", "--attn-scale", "logn", "--mlp",
+    R.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
             "--out", str(tmp_path)])
-    assert seen == ["python resharpen.py --compare --bos --dropout 0.3 --attn-scale logn --mlp"]
+    assert seen == ["python resharpen.py --compare --bos --n-head 2 --attn-scale logn --mlp"]
 
 # ---- the README and theory.md quote the committed files -------------------------------------
 
