@@ -1693,7 +1693,7 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
     ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
     ("--lrs", comma_list(float, lambda x: 0 < x <= 1, "distinct rates in (0, 1] separated by "
-                         "commas, such as 0.001,0.01"), "--compare, --search: train each "
+                         "commas (such as 0.001,0.01)"), "--compare, --search: train each "
      "placement at every rate LR,LR,...; each keeps the one with the lowest training-length TVD "
      "(EMA weights) on the first seed"),
     ("--norms", comma_list(str, NORMS.__contains__, f"each of {', '.join(NORMS)} at most once"),
