@@ -420,10 +420,6 @@ class BEMA(EMA):
         return [s + a * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
 
 
-def average_name(cfg):
-    return "BEMA" if cfg.bema else f"EMA {cfg.ema}" if cfg.ema > 0 else "none"
-
-
 # ----------------------------------------------------------------------------- languages
 # Formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k, as tasks with
 # SetComplement's four methods. Tokens: 0 .. k-1 open brackets, k .. 2k-1 their closes, 2k
@@ -633,10 +629,8 @@ def summarize(metrics, train_len):
     """Mean TVD over the training lengths, over the longer ones (None if there are none,
     train_len = v - 1), and at the longest."""
     tvd = metrics["tvd"]
-    beyond = tvd[train_len:]
     return {"tvd_train": mean(tvd[:train_len]),
-            "tvd_extrap": mean(beyond) if beyond else None,
-            "tvd_last": tvd[-1]}
+            "tvd_extrap": mean(tvd[train_len:]) if tvd[train_len:] else None, "tvd_last": tvd[-1]}
 
 
 def plot_panels(panels, train_len, n, ncol=4, overlay=None):
@@ -740,9 +734,10 @@ RUN_FILES = ("length.png", "loss.png", "metrics.json")   # what the main command
 
 def run_one(cfg, out, save=None):
     """The default command: train, evaluate, print the table, write metrics and figures."""
-    task = make_task(cfg)
-    print(f"{task.name}: v={cfg.vocab}, train lengths 1..{cfg.train_len}, norm={cfg.norm} "
-          f"[{NORMS[cfg.norm]}], averaging={average_name(cfg)}, targets={cfg.targets}, "
+    task, L = make_task(cfg), cfg.train_len
+    average = "BEMA" if cfg.bema else f"EMA {cfg.ema}" if cfg.ema > 0 else "none"
+    print(f"{task.name}: v={cfg.vocab}, train lengths 1..{L}, norm={cfg.norm} "
+          f"[{NORMS[cfg.norm]}], averaging={average}, targets={cfg.targets}, "
           f"lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, device={pick_device(cfg.device)}")
     t0 = time.time()
     model, averages, losses = train(cfg, task, averagers=(lambda m: [BEMA(m)]) if cfg.bema
@@ -751,28 +746,23 @@ def run_one(cfg, out, save=None):
     raw = evaluate(model, task=task)
     metrics = evaluate(averaged_copy(model, averages[0]), task=task) if averages else raw
     raw = raw if averages else None
-    if not (finite(metrics) and (raw is None or finite(raw))):
+    if not all(finite(m) for m in (metrics, raw) if m):
         raise FloatingPointError("the metrics are not finite (the logits overflow)")
     print(f"\nevaluated on {EVAL_PERMS} fixed inputs" +
-          (f" with the {average_name(cfg)} weights (raw weights in the last column)"
-           if raw else ""))
-    print(format_table(metrics, cfg.train_len, raw))
-    summary = summarize(metrics, cfg.train_len)
-    extrap = "none (every length was trained)"
-    if summary["tvd_extrap"] is not None:
-        extrap = f"{cfg.train_len + 1}..{len(metrics['length'])} {summary['tvd_extrap']:.4f}"
-    line = f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation {extrap}"
-    if raw and summary["tvd_extrap"] is not None:
-        r = summarize(raw, cfg.train_len)
-        line += f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})"
-    print(line)
+          (f" with the {average} weights (raw weights in the last column)" if raw else ""))
+    print(format_table(metrics, L, raw))
+    summary, r = summarize(metrics, L), raw and summarize(raw, L)
+    beyond = summary["tvd_extrap"] is not None
+    print(f"\nmean TVD: training lengths {summary['tvd_train']:.4f} | extrapolation " + (
+        f"{L + 1}..{len(metrics['length'])} {summary['tvd_extrap']:.4f}" if beyond else
+        "none (every length was trained)") + (
+        f"   (raw weights: {r['tvd_train']:.4f} | {r['tvd_extrap']:.4f})" if r and beyond else ""))
     record = {"config": asdict(cfg), **metrics, "summary": summary,
               "train_seconds": round(train_time, 2)}
     if raw:
-        record["raw"] = {**raw, "summary": summarize(raw, cfg.train_len)}
-    laws = isinstance(task, SetComplement)
+        record["raw"] = {**raw, "summary": r}
     written = write_outputs(out, dict(zip(RUN_FILES, [
-        plot_length(metrics, cfg, raw, average_name(cfg), laws),
+        plot_length(metrics, cfg, raw, average, isinstance(task, SetComplement)),
         plot_loss(losses, task.loss_floor()), record])))
     if save:
         save_checkpoint(save, model, averages[0] if averages else None, cfg)
@@ -1077,37 +1067,33 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
     compare.md, compare.json and 2 figures. norms, regimes: a subset (then only the regimes
     figure); lrs: rates to tune over (tune_rates)."""
     full = norms is None and regimes is None
-    norms, regimes = norms or tuple(NORMS), regimes or REGIMES
-    device = pick_device(base.device)
-    chosen = None
+    norms, regimes, device, chosen = norms or tuple(NORMS), regimes or REGIMES, pick_device(
+        base.device), {}
     if lrs and len(lrs) > 1:
         done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device)
     else:
         base = replace(base, lr=lrs[0]) if lrs else base
         done, wall, workers = run_grid(compare_grid(base, norms, regimes), device)
-    kept = [d for d in done
-            if not chosen or d[0].lr == chosen[(d[0].norm, d[0].targets, d[0].lr_schedule)]]
-    rows = compare_rows(kept)
+    rows = compare_rows(d for d in done   # with tuned rates, the runs at the chosen ones
+                        if chosen.get((d[0].norm, d[0].targets, d[0].lr_schedule), d[0].lr) ==
+                        d[0].lr)
     L, v = base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
     lines = compare_table(summary, L, v, norms)
+    figures = {"compare_regimes.png": plot_regimes(rows, base, norms, regimes)}
+    record = dict(config=asdict(base), summary=summary)
     if full:
         lines += [""] + laws_table(rows, v)
+        figures["compare_norms.png"] = plot_compare_norms(rows, base)
     if chosen:
         lines += [""] + rates_table(done, chosen, L)
+        record["chosen_lr"] = {", ".join(k): lr for k, lr in chosen.items()}
     if base.n_layer > 1:
         lines += [""] + layer_entropy_table(rows, base, norms, regimes)
     lines += ["", f"Mean +- standard deviation over {COMPARE_SEEDS} seeds. "]
-    figures = {"compare_regimes.png": plot_regimes(rows, base, norms, regimes)}
-    if full:
-        figures["compare_norms.png"] = plot_compare_norms(rows, base)
-    record = dict(config=asdict(base), summary=summary)
-    if chosen:
-        record["chosen_lr"] = {", ".join(k): lr for k, lr in chosen.items()}
-    mlp = ", MLP" if base.mlp else ""
-    details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s){mlp}, "
-               f"{base.steps} steps, batch {base.batch_size}, lr "
-               f"{'tuned' if chosen else base.lr}")
+    details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s)"
+               f"{', MLP' if base.mlp else ''}, {base.steps} steps, batch {base.batch_size}, "
+               f"lr {'tuned' if chosen else base.lr}")
     finish(out, "compare", "\n".join(lines), command, details, figures, done, wall, workers, **record)
     if re.fullmatch(r"depth\d+", os.path.basename(os.path.abspath(out))):
         depth_sweep(os.path.dirname(os.path.abspath(out)))   # the sweep, from every depth grid
