@@ -1451,17 +1451,21 @@ def mean_interval(xs):
     return m, m - half, m + half
 
 
-def suite_pairs(done, L):
+def suite_results(done):
+    """{(language, norm): [the result of each seed]}, in the grid's order (run_grid's)."""
+    groups = {}
+    for c, r, _ in done:
+        groups.setdefault((make_task(c).name, c.norm), []).append(r)
+    return groups
+
+
+def suite_pairs(groups, L):
     """Per language, rival - post in mean extrapolation TVD (EMA weights), paired by seed."""
+    ext = {k: [summarize(r["ema"], L)["tvd_extrap"] for r in rs] for k, rs in groups.items()}
     rows = []
-    for lang in SUITE_LANGUAGES:
-        ext = {c.norm: {} for c, _, _ in done}
-        for c, r, _ in done:
-            if c.task == lang["task"]:
-                ext[c.norm][c.seed] = summarize(r["ema"], L)["tvd_extrap"]
-        name = make_task(Config(**lang)).name
-        for rival in (n for n in SUITE_NORMS if n != "post"):
-            d = [ext[rival][k] - ext["post"][k] for k in sorted(ext["post"])]
+    for (name, rival), xs in ext.items():
+        if rival != "post":
+            d = [x - y for x, y in zip(xs, ext[name, "post"])]
             m, lo, hi = mean_interval(d)
             rows.append([name, f"`{rival}` - `post`", ", ".join(f"{x:+.3f}" for x in d),
                          f"{m:+.4f} ({lo:+.4f} to {hi:+.4f})", "no" if lo <= 0 <= hi else "yes"])
@@ -1470,35 +1474,26 @@ def suite_pairs(done, L):
 
 
 def suite_table(done):
-    L = done[0][0].train_len
-    rows = []
-    for lang in SUITE_LANGUAGES:
-        for norm in SUITE_NORMS:
-            runs = [(c, r) for c, r, _ in done if c.task == lang["task"] and c.norm == norm]
-            name = make_task(runs[0][0]).name
-            for avg in ("raw", "ema"):
-                ms = [r[avg] for _, r in runs]
-                rows.append([name, f"`{norm}`", AVERAGE_LABELS[avg], *tvd_cells(ms, L),
-                             mean_sd([mean(m["invalid_mass"][L:]) for m in ms])])
+    L, groups = done[0][0].train_len, suite_results(done)
+    rows = [[name, f"`{norm}`", AVERAGE_LABELS[avg], *tvd_cells(ms, L),
+             mean_sd([mean(m["invalid_mass"][L:]) for m in ms])]
+            for (name, norm), results in groups.items() for avg in ("raw", "ema")
+            for ms in [[r[avg] for r in results]]]
     out = md_table(["language", "norm", "weight average", "TVD, training lengths",
                     "TVD, extrapolation", "TVD at the longest length",
                     "invalid mass, extrapolation"], rows)
     out += ["", f"Mean +- standard deviation over {SUITE_SEEDS} seeds.", "",
             "### Paired by seed: each placement minus `post` (positive: `post` is lower)", ""]
-    out += suite_pairs(done, L)
-    return "\n".join(out + ["", ""])
+    return "\n".join(out + suite_pairs(groups, L) + ["", ""])
 
 
 def plot_suite(done):
     """suite.png: TVD against position per language and placement (EMA weights)."""
-    L = done[0][0].train_len
-    runs = lambda lang, norm: [r["ema"]["tvd"] for c, r, _ in done  # noqa: E731
-                               if c.task == lang["task"] and c.norm == norm]
-    return plot_panels([(make_task(Config(**lang)).name,
-                         "TVD to the exact next-token distribution", dict(xlabel="position"),
-                         {norm: (COLORS[norm], runs(lang, norm), dict(lw=2))
-                          for norm in SUITE_NORMS}) for lang in SUITE_LANGUAGES],
-                       L, 4 * L)
+    L, groups = done[0][0].train_len, suite_results(done)
+    return plot_panels([(name, "TVD to the exact next-token distribution", dict(xlabel="position"),
+                         {norm: (COLORS[norm], [r["ema"]["tvd"] for r in groups[name, norm]],
+                                 dict(lw=2)) for norm in SUITE_NORMS})
+                        for name in dict.fromkeys(name for name, _ in groups)], L, 4 * L)
 
 
 def suite(base, out, command, **overrides):
