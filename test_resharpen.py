@@ -46,9 +46,7 @@ needs_rmsnorm = pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"),
 
 
 def tiny(**kw):
-    cfg = dict(vocab=7, train_len=4, n_embd=8, n_head=2, steps=1, batch_size=4)
-    cfg.update(kw)
-    return R.Config(**cfg)
+    return R.Config(**{**dict(vocab=7, train_len=4, n_embd=8, n_head=2, steps=1, batch_size=4), **kw})
 
 
 def randomize(model, seed=0):
@@ -161,11 +159,21 @@ def randomize_double(model, seed=0):
     return model
 
 
-def seen_unseen_logits(logits, tokens):
-    """Last-position logits of one input: (logits of its tokens, logits of the others)."""
-    seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+def balanced_margin(row, tokens, tol=1e-10):
+    """Unseen minus seen logit of one last-position row, or None if it is not balanced."""
+    seen = torch.zeros(row.shape[-1], dtype=torch.bool)
     seen[list(tokens)] = True
-    return logits[seen], logits[~seen]
+    lo, hi = row[seen], row[~seen]
+    if (lo - lo[0]).abs().max() > tol or (hi - hi[0]).abs().max() > tol:
+        return None
+    return (hi[0] - lo[0]).item()
+
+
+def eps_0(model):
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.LayerNorm):
+            mod.eps = 0.0
+    return model
 
 
 def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
@@ -176,12 +184,8 @@ def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
         logits = model(perm)
     out = []
     for s in range(1, (up_to or v - 1) + 1):
-        ms = []
-        for b in range(n_perm):
-            lo, hi = seen_unseen_logits(logits[b, s - 1], perm[b, :s].tolist())
-            assert (lo - lo[0]).abs().max() < 1e-10 and (hi - hi[0]).abs().max() < 1e-10
-            ms.append((hi[0] - lo[0]).item())
-        assert max(ms) - min(ms) < 1e-10
+        ms = [balanced_margin(logits[b, s - 1], perm[b, :s].tolist()) for b in range(n_perm)]
+        assert None not in ms and max(ms) - min(ms) < 1e-10
         out.append(ms[0])
     return out
 
@@ -225,21 +229,6 @@ def uneven_split_model(v, b, m2=1.0):
     return text_model(Q, nu * Q.T, eye, mu * eye, W_Q=b * math.sqrt(n) * eye, W_K=eye), mu, nu
 
 
-def balanced_margin(row, tokens, tol=1e-10):
-    """Unseen minus seen logit of one last-position row, or None if it is not balanced."""
-    seen = torch.zeros(row.shape[-1], dtype=torch.bool)
-    seen[list(tokens)] = True
-    lo, hi = row[seen], row[~seen]
-    if (lo - lo[0]).abs().max() > tol or (hi - hi[0]).abs().max() > tol:
-        return None
-    return (hi[0] - lo[0]).item()
-
-
-def eps_0(model):
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.LayerNorm):
-            mod.eps = 0.0
-    return model
 
 
 def a_balanced_solution(v, alpha, seed=0):
@@ -252,11 +241,7 @@ def a_balanced_solution(v, alpha, seed=0):
 
 
 def margins_with_eps_0(v, norm, gamma=1.0):
-    model = R.hand_built(v, norm, gamma)
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.LayerNorm):
-            mod.eps = 0.0
-    return margins_at_every_length(model, v, n_perm=2)
+    return margins_at_every_length(eps_0(R.hand_built(v, norm, gamma)), v, n_perm=2)
 
 
 def post_norm_with_values(v, values, norm_cls):
@@ -328,14 +313,6 @@ def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
     return loss.item() ** 0.5
 
 
-def row_model(E, U, W_V, W_O, W_Q=None, W_K=None, bos=False, attn_scale="none"):
-    """resharpen's one-layer Transformer ('pre' block, input LayerNorm replaced by the
-    identity: the minimal model x + Attn(x) of section 1) holding theory.md's row-vector
-    matrices E (v [+1 BOS], n), W_Q, W_K, W_V, W_O (n, n), U (n, v); one head of size n.
-    nn.Linear stores (out, in), the transpose of the text's (in, out)."""
-    return text_model(E, U, W_V, W_O, W_Q, W_K, bos=bos, attn_scale=attn_scale)
-
-
 def relative_to_unseen(row, tokens):
     """Last-position logits minus the unseen tokens' logit (after checking that all unseen
     tokens share one logit): a vector that is 0 off the input."""
@@ -363,7 +340,7 @@ def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
     if alpha is not None:
         U[:v] = -eye
         U[v:] = (1 - 2 * alpha) * eye
-    return row_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, attn_scale=attn_scale)
+    return text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, attn_scale=attn_scale)
 
 
 def length_2_split(model, v):
@@ -964,12 +941,8 @@ def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
     # -m_1 e_y - delta sum a_i (e_(t_i) - e_y) up to a constant, with its own attention
     # weights a (read from the model), m_1 = 2 m_2, delta = m_2 / alpha.
     v, b, m2 = 6, 1.0, 1.0
-    n = v - 1
-    Q = ones_complement(v)
     alpha = 1 / (1 + math.exp(b))
-    nu, mu = m2 * (1 - 2 * alpha) / alpha, -1 / (1 - 2 * alpha)
-    eye_n = torch.eye(n, dtype=DT)
-    model = text_model(Q, nu * Q.T, eye_n, mu * eye_n, W_Q=b * math.sqrt(n) * eye_n, W_K=eye_n)
+    model = uneven_split_model(v, b, m2)[0]
     eye = torch.eye(v, dtype=DT)
     P = eye - 1.0 / v
     perm = permutations(3, v)[:, : v - 1]
@@ -1111,9 +1084,7 @@ def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_no
     for idx, want in [(singles, 2.0), (pairs, 1.0)]:
         logits, atts = model(idx, return_attn=True)
         for row, tokens in zip(logits[:, -1], idx.tolist()):
-            lo, hi = seen_unseen_logits(row, tokens)
-            assert (lo - lo[0]).abs().max() < 1e-12 and (hi - hi[0]).abs().max() < 1e-12
-            assert (hi[0] - lo[0]).item() == pytest.approx(want, abs=1e-12)
+            assert balanced_margin(row, tokens, tol=1e-12) == pytest.approx(want, abs=1e-12)
     assert torch.allclose(atts[0][:, 0, 1, 0], torch.full((len(pairs),), 1 / (1 + e),
                                                           dtype=DT))
     triples = torch.tensor([[0, 1, 2], [4, 2, 5], [3, 5, 0]])
@@ -2069,8 +2040,8 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
         U = torch.zeros(n, v, dtype=DT)
         U[2:v + 2] = eye
         U[0] = -d                                            # B = -d
-        model = row_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, bos=True,
-                          attn_scale="logn")
+        model = text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, bos=True,
+                           attn_scale="logn")
         with torch.no_grad():
             model.blocks[0].attn.log_scale.fill_(0.8)
             logits, atts = model(perm, return_attn=True)
