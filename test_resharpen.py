@@ -286,6 +286,29 @@ def bos_balance_equations(v, b):
     return torch.stack([residual(col) for col in torch.eye(k, dtype=DT)], dim=1)
 
 
+def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
+    """E.3's model in the Transformer with --bos: B = -d, D = -delta I + d, BOS value d (d != 0),
+    BOS score b above the others, and an own-key bonus Delta. Features: 0 constant, 1 BOS
+    flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token (not read)."""
+    n, eye = 2 * v + 2, torch.eye(v, dtype=DT)
+    d = torch.linspace(-1, 1, v, dtype=DT) ** 2
+    E = torch.zeros(v + 1, n, dtype=DT)
+    E[:, 0] = 1.0
+    E[v, 1] = 1.0
+    E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
+    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
+    W_Q[0, 0] = b * math.sqrt(n)                      # every query (1, 0, ..)
+    W_K[1, 0] = 1.0                                   # key 1 on BOS only: score b
+    W_Q[v + 2:, v + 2:] = Delta * math.sqrt(n) * eye  # own-key bonus Delta
+    W_K[v + 2:, v + 2:] = eye
+    W_V[0, 2:v + 2] = d                               # constant feature -> d
+    W_V[v + 2:, 2:v + 2] = -delta * eye               # token x -> -delta e_x
+    U = torch.zeros(n, v, dtype=DT)
+    U[2:v + 2] = eye
+    U[0] = -d                                         # B = -d
+    return text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, bos=True, attn_scale=attn_scale)
+
+
 def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
     """theory.md, Appendix A: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
     attention, no norm), with B = E U and D = E W_V W_O U of the given widths, to balanced
@@ -1987,21 +2010,7 @@ def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
     # (e^b + 1) / (e^b + s) at every length. Features: 0 constant, 1 BOS flag, 2 .. v+1 read
     # by U, v+2 .. 2v+1 the token (not read).
     v, b, delta = 6, 1.2, 2.5
-    n = 2 * v + 2
-    d = torch.linspace(-1, 1, v, dtype=DT) ** 2
-    E = torch.zeros(v + 1, n, dtype=DT)
-    E[:, 0] = 1.0
-    E[v, 1] = 1.0
-    E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
-    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
-    W_Q[0, 0] = b * math.sqrt(n)                      # every query (1, 0, ..)
-    W_K[1, 0] = 1.0                                   # key 1 on BOS only: score b
-    W_V[0, 2:v + 2] = d                               # constant feature -> d
-    W_V[v + 2:, 2:v + 2] = -delta * torch.eye(v, dtype=DT)   # token x -> -delta e_x
-    U = torch.zeros(n, v, dtype=DT)
-    U[2:v + 2] = torch.eye(v, dtype=DT)
-    U[0] = -d                                         # B = -d
-    model = text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q=W_Q, W_K=W_K, bos=True)
+    model = bos_sink_model(v, b, delta)
     m = margins_at_every_length(model, v)
     e = math.exp(b)
     for s, ms in enumerate(m, start=1):
@@ -2021,27 +2030,10 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
     # 1 BOS flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token. Scores: b on BOS; an own-key
     # bonus Delta (Delta = 0: equal weights on the seen tokens).
     v, b, delta = 6, 1.2, 2.5
-    n = 2 * v + 2
-    d = torch.linspace(-1, 1, v, dtype=DT) ** 2
     eye = torch.eye(v, dtype=DT)
-    E = torch.zeros(v + 1, n, dtype=DT)
-    E[:, 0] = 1.0
-    E[v, 1] = 1.0
-    E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
     perm = permutations(3, v, seed=2)[:, : v - 1]
     for Delta in (0.0, 0.7):
-        W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
-        W_Q[0, 0] = b * math.sqrt(n)
-        W_K[1, 0] = 1.0                                      # BOS's key: score b
-        W_Q[v + 2:, v + 2:] = Delta * math.sqrt(n) * eye     # own-key bonus Delta
-        W_K[v + 2:, v + 2:] = eye
-        W_V[0, 2:v + 2] = d                                  # constant feature -> d
-        W_V[v + 2:, 2:v + 2] = -delta * eye                  # token x -> -delta e_x
-        U = torch.zeros(n, v, dtype=DT)
-        U[2:v + 2] = eye
-        U[0] = -d                                            # B = -d
-        model = text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, bos=True,
-                           attn_scale="logn")
+        model = bos_sink_model(v, b, delta, Delta, attn_scale="logn")
         with torch.no_grad():
             model.blocks[0].attn.log_scale.fill_(0.8)
             logits, atts = model(perm, return_attn=True)
