@@ -1423,15 +1423,8 @@ def test_norm_on_uncentred_one_hot_values(norm_cls):
     # theory.md, Appendix B.2: with values e_x (not centred), LayerNorm gives n / sqrt(s (n - s)),
     # bounded below by 2, while RMSNorm, which does not subtract the mean, gives sqrt(n / s).
     v, n = 12, 24
-    model = R.hand_built(v, "post")
-    attn = model.blocks[0].attn
-    with torch.no_grad():
-        attn.c_attn.weight[2 * n:3 * n][:v, v:] = torch.eye(v, dtype=torch.double)
-    if norm_cls == "rms":
-        model.blocks[0].ln_1 = torch.nn.RMSNorm(n, eps=0.0).double()
-    else:
-        model.blocks[0].ln_1.eps = 0.0
-    m = R.evaluate(model, n_perm=5)
+    one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
+    m = R.evaluate(post_norm_with_values(v, one_hot, norm_cls), n_perm=5)
     for s, gap in zip(m["length"], m["logit_gap"]):
         want = n / math.sqrt(s * (n - s)) if norm_cls == "layer" else math.sqrt(n / s)
         assert gap == pytest.approx(want, rel=1e-9)
@@ -1530,15 +1523,9 @@ def test_one_hot_values_s_star_and_ratios_at_v_minus_1():
     s_ln = 1 / ((c - c.mean()).pow(2).sum().item() + 1 / v)
     assert s_rms == pytest.approx(v / 2, rel=1e-12) and s_ln == pytest.approx(2 * v / 3, rel=1e-12)
     centred = margins_at_every_length(eps_0(R.hand_built(v, "post")), v, n_perm=1)
-    ratios = {}
-    for kind in ("rms", "layer"):
-        model = R.hand_built(v, "post")
-        with torch.no_grad():
-            model.blocks[0].attn.c_attn.weight[2 * n:3 * n][:v, v:] = torch.eye(v, dtype=DT)
-        model.blocks[0].ln_1 = (torch.nn.RMSNorm(n, eps=0.0) if kind == "rms"
-                                else torch.nn.LayerNorm(n, eps=0.0)).double()
-        gaps = margins_at_every_length(model, v, n_perm=1)
-        ratios[kind] = gaps[-1] / centred[-1]
+    one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
+    ratios = {kind: margins_at_every_length(post_norm_with_values(v, one_hot, kind), v, n_perm=1)
+              [-1] / centred[-1] for kind in ("rms", "layer")}
     s = v - 1
     assert ratios["rms"] == pytest.approx(math.sqrt(1 / v), rel=1e-10)
     assert ratios["layer"] == pytest.approx(math.sqrt(n / ((n - s) * v)), rel=1e-10)
@@ -1549,12 +1536,9 @@ def test_layernorm_centres_any_multiple_of_the_all_ones_vector():
     # E5: with LayerNorm c' = 0 whenever c is a multiple of 1_n (not vocabulary-centred
     # values: their average over tokens is c != 0), and then the gap is the centred law.
     v, n, w = 12, 24, 0.8
-    model = R.hand_built(v, "post")
     values = 0.37 * torch.ones(v, n, dtype=DT)
     values[:, :v] += w * (torch.eye(v, dtype=DT) - 1.0 / v)
-    with torch.no_grad():
-        model.blocks[0].attn.c_attn.weight[2 * n:3 * n, v:] = values.T
-    eps_0(model)
+    model = post_norm_with_values(v, values, "layer")
     for s, m in enumerate(margins_at_every_length(model, v, n_perm=2), start=1):
         assert m == pytest.approx(math.sqrt(n * v / (s * (v - s))), rel=1e-10)
 
