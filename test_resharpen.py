@@ -66,6 +66,14 @@ def read(name):
         return f.read()
 
 
+def load(name):
+    return json.loads(read(name))
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
 def layer_norm_by_hand(x, ln):
     mu = x.mean(-1, keepdim=True)
     var = ((x - mu) ** 2).mean(-1, keepdim=True)
@@ -450,7 +458,7 @@ def expect_exit_2(argv, flag, capsys):
     assert len(err.splitlines()) == 1 and flag in err, err
 
 def seed_0_gaps():
-    runs = json.loads(read("plots/compare.json"))["runs"]
+    runs = load("plots/compare.json")["runs"]
     return {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs
             if r["config"]["seed"] == 0 and r["config"]["targets"] == "sampled"
             and r["config"]["lr_schedule"] == "constant"}
@@ -2442,7 +2450,7 @@ def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tm
                                                                       monkeypatch, capsys):
     # Rerun the command named in the table's first line with run_grid answering from the
     # committed JSON instead of training: the code must write the committed table again.
-    record = json.loads(read(os.path.join("plots", table.replace(".md", ".json"))))
+    record = load(os.path.join("plots", table.replace(".md", ".json")))
     runs = {R.Config(**r["config"]): {k: v for k, v in r.items() if k != "config"}
             for r in record["runs"]}
     walls = [record["wall_seconds"]]   # the first grid's wall: the record's; a second one's: 0
@@ -2524,7 +2532,7 @@ def test_notebook_tables_are_copied_from_the_generated_tables():
 def test_the_laws_in_the_trained_models_match_plots_compare_json():
     # Lab notebook, section 1 (and the README's idea): minima and maxima over all 31 lengths and
     # all 3 seeds of the EMA weights, sampled targets, constant rate.
-    record = json.loads(read("plots/compare.json"))
+    record = load("plots/compare.json")
     runs = [r for r in record["runs"] if r["config"]["targets"] == "sampled"
             and r["config"]["lr_schedule"] == "constant"]
     ema = lambda n: [r["ema"] for r in runs if r["config"]["norm"] == n]  # noqa: E731
@@ -2571,7 +2579,7 @@ def test_the_laws_in_the_trained_models_match_plots_compare_json():
 
 def test_post_against_pre_final_at_2l_is_outside_seed_noise_in_every_regime_and_flips():
     # Lab notebook, section 1, "Strength"; the README's "no consistent winner".
-    record = json.loads(read("plots/compare.json"))
+    record = load("plots/compare.json")
     lower = {}
     for regime in record["summary"]:
         post, final = (compare_cells(record, regime, n) for n in ("post", "pre-final"))
@@ -2586,8 +2594,7 @@ def test_post_against_pre_final_at_2l_is_outside_seed_noise_in_every_regime_and_
 def test_the_readme_findings_match_their_json():
     readme = flat("README.md")
     findings = readme.split("## Findings", 1)[1].split("## Tests and flags", 1)[0]
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    compare = json.loads(read("plots/compare.json"))
+    compare = load("plots/compare.json")
     sc, ec = "sampled, constant", "exact, cosine"
     two_l = {n: mean(compare_cells(compare, sc, n)) for n in R.NORMS}
     assert f"at 2 L `pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f}" in findings
@@ -2602,18 +2609,18 @@ def test_the_readme_findings_match_their_json():
               / mean(compare["summary"][sc][n]["ema"]["training lengths"]) for n in R.NORMS]
     assert round(min(ratios)) == 3 and round(max(ratios)) == 6
     assert "it cuts the training-length TVD 3 to 6 times" in findings
-    search = json.loads(read("plots/search.json"))["summary"]
+    search = load("plots/search.json")["summary"]
     P, A = search["pre-final"]["ema"]["all"], search["pre"]["ema"]["all"]
     assert f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations" in findings
     assert (f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
             f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})") in findings
-    tuned = json.loads(read("plots/tuned/compare.json"))["summary"][sc]
+    tuned = load("plots/tuned/compare.json")["summary"][sc]
     assert (f"`pre-final` ahead of `post` at 2 L ({mean(tuned['pre-final']['ema']['s = 24 (2 L)']):.3f}"
             f" against {mean(tuned['post']['ema']['s = 24 (2 L)']):.3f})") in findings
-    T = json.loads(read("plots/search_tuned/search.json"))["summary"]["pre-final"]["ema"]["all"]
+    T = load("plots/search_tuned/search.json")["summary"]["pre-final"]["ema"]["all"]
     assert f"No detectable difference (median ratio {T['median_ratio']:.2f})" in findings
     assert f"its interval {T['median_ratio_95'][0]:.2f}–{T['median_ratio_95'][1]:.2f}" in findings
-    long = json.loads(read("plots/long/compare.json"))["summary"]
+    long = load("plots/long/compare.json")["summary"]
     at_4l = {n: mean(long[sc][n]["ema"]["s = 60 (4 L)"]) for n in ("pre", "pre-final", "post")}
     assert f"`post` {at_4l['post']:.2f}, `pre` {at_4l['pre']:.2f}, `pre-final` between" in findings
     assert at_4l["post"] < at_4l["pre-final"] < at_4l["pre"]
@@ -2630,7 +2637,7 @@ def test_the_readme_findings_match_their_json():
 
 
 def test_readme_main_command_output_is_what_plots_metrics_json_holds():
-    m = json.loads(read("plots/metrics.json"))
+    m = load("plots/metrics.json")
     assert m["config"]["norm"] == "post" and m["config"]["ema"] == 0.999   # the main command
     readme = read("README.md")
     assert R.format_table(m, m["config"]["train_len"], m["raw"]) in readme
@@ -2642,8 +2649,7 @@ def test_readme_main_command_output_is_what_plots_metrics_json_holds():
 
 def test_notebook_ema_paragraph_matches_the_comparison():
     notebook = flat("plots/README.md")
-    summary = json.loads(read("plots/compare.json"))["summary"]
-    mean = lambda xs: sum(xs) / len(xs)
+    summary = load("plots/compare.json")["summary"]
     at = lambda regime, norm, avg, col: f"{mean(summary[regime][norm][avg][col]):.4f}"
     sc, train, beyond = "sampled, constant", "training lengths", "mean, s = 13..31"
     for fragment in [
@@ -2674,7 +2680,7 @@ def test_notebook_ema_paragraph_matches_the_comparison():
 
 def test_notebook_tuned_numbers_match_their_json():
     notebook = flat("plots/README.md")
-    tuned = json.loads(read("plots/tuned/compare.json"))
+    tuned = load("plots/tuned/compare.json")
     chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
     t_post, t_final = (ema_curve(tuned, n, lr=chosen[n]) for n in ("post", "pre-final"))
     for fragment in [
@@ -2695,7 +2701,7 @@ def test_notebook_depth_numbers_match_plots_depth2_and_depth4():
     notebook = flat("plots/README.md")
     cells, entropy, walls, tvd = {}, {}, {}, {}
     for depth, layers in (("depth2", 2), ("depth4", 4)):
-        record = json.loads(read(f"plots/{depth}/compare.json"))
+        record = load(f"plots/{depth}/compare.json")
         for regime, row in record["summary"].items():
             cells[depth, regime] = ", ".join(" / ".join(
                 f"{sum(row[norm]['ema'][c]) / 3:.4f}" for c in ("training lengths", "s = 24 (2 L)"))
@@ -2745,7 +2751,7 @@ def test_notebook_depth_numbers_match_plots_depth2_and_depth4():
 
 
 def test_notebook_search_numbers_match_plots_search_json():
-    record = json.loads(read("plots/search.json"))
+    record = load("plots/search.json")
     h = record["summary"]
     assert len(record["runs"]) == 3 * R.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == R.SEARCH_N
     notebook = flat("plots/README.md")
@@ -2776,7 +2782,7 @@ def test_notebook_search_numbers_match_plots_search_json():
 def test_notebook_tuned_search_numbers_match_plots_search_tuned():
     # Lab notebook, section 5: 24 configurations, each arm at each of 3 rates (every run kept),
     # each arm at its rate with the lowest training-length TVD; the README quotes the endpoint.
-    record = json.loads(read("plots/search_tuned/search.json"))
+    record = load("plots/search_tuned/search.json")
     P, Q = (record["summary"]["pre-final"][avg]["all"] for avg in ("ema", "raw"))
     lrs = (0.001, 0.00316, 0.01)
     configs = [[R.Config(**r["config"]) for r in record["runs"][6 * i:6 * i + 6]]
