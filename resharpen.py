@@ -742,8 +742,7 @@ def run_one(cfg, out, save=None):
     t0 = time.time()
     model, averages, losses = train(cfg, task, averagers=(lambda m: [BEMA(m)]) if cfg.bema
                                     else None)
-    train_time = time.time() - t0
-    raw = evaluate(model, task=task)
+    train_time, raw = time.time() - t0, evaluate(model, task=task)
     metrics = evaluate(averaged_copy(model, averages[0]), task=task) if averages else raw
     raw = raw if averages else None
     if not all(finite(m) for m in (metrics, raw) if m):
@@ -784,8 +783,7 @@ def train_and_evaluate(cfg, averages=("ema", "bema"), threads=None):
     """Train one configuration; evaluate its raw weights and each average (AVERAGERS)."""
     if threads:
         torch.set_num_threads(threads)
-    t0 = time.time()
-    task = make_task(cfg)
+    t0, task = time.time(), make_task(cfg)
     model, avgs, _ = train(cfg, task, log=lambda *a: None,
                            averagers=lambda m: [AVERAGERS[a](m) for a in averages])
     result = {"raw": evaluate(model, task=task)}
@@ -1212,18 +1210,12 @@ SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subg
 
 
 def search_configs(n, seed, lrs=None):
-    """n random configurations, each trained three times from the same seed, once per arm.
-    Ranges: vocabulary 16..64; longest training length v/4 .. (v-1)/2 (so that 2 L is a test
-    length); 1..4 heads; width 2v - 2, rounded up to a multiple of the heads; lr log-uniform
-    3e-4..1e-2; batch log-uniform 64..256; 1000..4000 steps; sampled targets, constant
-    learning rate, no dropout. With lrs (the tuned search): arms pre-final and post, each at
-    every rate of lrs, drawn in the corner most favourable to post: batch 192..256,
-    4000..8000 steps."""
-    g = random.Random(seed)
-    configs = []
+    """n random configurations in the pre-registered ranges (2 L is always a test length), each
+    trained once per arm from the same seed; with lrs (the tuned search), arms pre-final and
+    post at every rate, in the corner most favourable to post (large batches, long runs)."""
+    g, configs = random.Random(seed), []
     for i in range(n):
-        v = g.randint(16, 64)
-        heads = g.randint(1, 4)
+        v, heads = g.randint(16, 64), g.randint(1, 4)
         base = Config(vocab=v, train_len=g.randint(math.ceil(v / 4), (v - 1) // 2),
                       n_head=heads, n_embd=heads * math.ceil((2 * v - 2) / heads),
                       lr=round(10 ** g.uniform(math.log10(3e-4), -2), 6),
@@ -1231,23 +1223,19 @@ def search_configs(n, seed, lrs=None):
                       seed=seed + i)
         if lrs:
             base = replace(base, batch_size=g.randint(192, 256), steps=g.randint(4000, 8000))
-            configs.append([replace(base, norm=arm, lr=lr) for arm in ("pre-final", "post")
-                            for lr in lrs])
-        else:
-            configs.append([replace(base, norm=arm) for arm in SEARCH_ARMS])
+        arms, rates = (("pre-final", "post"), lrs) if lrs else (SEARCH_ARMS, [base.lr])
+        configs.append([replace(base, norm=arm, lr=lr) for arm in arms for lr in rates])
     return configs
 
 
 def search_arms(runs, results):
     """{arm: (config, result)}: with several rates per arm, the rate with the lowest
     training-length TVD (EMA weights)."""
-    best = {}
-    for c in runs:
-        r = results[c]
-        t = summarize(r["ema"], c.train_len)["tvd_train"]
-        if c.norm not in best or t < best[c.norm][0]:
-            best[c.norm] = (t, c, r)
-    return {arm: (c, r) for arm, (_, c, r) in best.items()}
+    best = dict.fromkeys(c.norm for c in runs)   # the arms in the order of runs
+    for c in reversed(sorted(runs, key=lambda c: summarize(results[c]["ema"],
+                                                         c.train_len)["tvd_train"])):
+        best[c.norm] = (c, results[c])   # the lowest last; of equal ones, the first in runs
+    return best
 
 
 def wilson(k, n, z=1.96):

@@ -135,10 +135,8 @@ def text_model(E, U, W_V, W_O, W_Q=None, W_K=None, n_head=1, input_ln=False,
     LayerNorm is replaced by the identity: the minimal model x + Attn(x) of section 1.
     With bos, E has one more row, BOS's."""
     v_rows, n = E.shape
-    v = v_rows - bos
-    zero = torch.zeros(n, n, dtype=DT)
-    W_Q = zero if W_Q is None else W_Q
-    W_K = zero if W_K is None else W_K
+    v, zero = v_rows - bos, torch.zeros(n, n, dtype=DT)
+    W_Q, W_K = zero if W_Q is None else W_Q, zero if W_K is None else W_K
     model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
                                    bos=bos, attn_scale=attn_scale)).double()
     with torch.no_grad():
@@ -202,8 +200,7 @@ def balance_equations(v, alpha, B_zero=False):
     """Lengths 1 and 2 (theory.md 2.1) as a matrix on the unknowns (B, D, m_1, m_2):
     (B[x] + D[x] + m_1 e_x) P = 0, (B[y] + a D[x] + (1 - a) D[y] + m_2 (e_x + e_y)) P = 0,
     a = alpha[y][x]; with B_zero, also B = 0."""
-    P = torch.eye(v, dtype=DT) - 1.0 / v
-    eye = torch.eye(v, dtype=DT)
+    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
 
     def residual(z):
         B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
@@ -228,8 +225,7 @@ def uneven_split_model(v, b, m2=1.0):
     """Section 2's counterexample, width n = head dim = v - 1, no norm: E = Q, scores with
     a bonus b for the token's own key, W_V W_O = mu I, U = nu Q^T, with a = 1/(1 + e^b),
     nu = m2 (1 - 2a) / a and mu = -1 / (1 - 2a)."""
-    Q = ones_complement(v)
-    n = v - 1
+    Q, n = ones_complement(v), v - 1
     a = 1 / (1 + math.exp(b))
     nu, mu = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a)
     eye = torch.eye(n, dtype=DT)
@@ -255,8 +251,7 @@ def margins_with_eps_0(v, norm, gamma=1.0):
 def post_norm_with_values(v, values, norm_cls):
     """hand_built(v, 'post') with value u_x = values[x] (a row of R^n) and LayerNorm or
     RMSNorm (eps = 0) on the attention output."""
-    n = 2 * v
-    model = R.hand_built(v, "post")
+    n, model = 2 * v, R.hand_built(v, "post")
     with torch.no_grad():
         model.blocks[0].attn.c_attn.weight[2 * n:3 * n, v:] = values.T   # (out, in) layout
     model.blocks[0].ln_1 = (torch.nn.RMSNorm(n, eps=0.0) if norm_cls == "rms"
@@ -278,8 +273,7 @@ def bos_balance_equations(v, b):
     weights p_s = e^b / (e^b + s) on BOS, q_s = 1 / (e^b + s) on each seen token. Unknowns
     (B, D, D_0, m_1, m_2): (B[x] + p_1 D_0 + q_1 D[x] + m_1 e_x) P = 0 and
     (B[y] + p_2 D_0 + q_2 (D[x] + D[y]) + m_2 (e_x + e_y)) P = 0."""
-    P = torch.eye(v, dtype=DT) - 1.0 / v
-    eye = torch.eye(v, dtype=DT)
+    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     e = math.exp(b)
     p1, q1, p2, q2 = e / (e + 1), 1 / (e + 1), e / (e + 2), 1 / (e + 2)
 
@@ -531,8 +525,7 @@ def test_exact_target_matches_a_loop_over_tokens():
 def test_lemma_0_two_or_three_basis_vectors_equal_to_a_constant(v):
     # The map k -> (sum_i k_i e_(x_i)) P has null space {0} for two tokens, and for three
     # tokens {0} if v >= 4 and the multiples of (1, 1, 1) if v = 3. Brute force: its SVD.
-    P = torch.eye(v, dtype=DT) - 1.0 / v
-    eye = torch.eye(v, dtype=DT)
+    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     for tokens in itertools.permutations(range(v), 2):
         assert null_space((eye[list(tokens)] @ P).T).shape[1] == 0
     for tokens in itertools.permutations(range(v), 3):
@@ -549,8 +542,7 @@ def test_lemma_0_two_or_three_basis_vectors_equal_to_a_constant(v):
 @pytest.mark.parametrize("norm", list(R.NORMS))
 def test_changing_a_later_token_leaves_earlier_logits_unchanged(norm, bos):
     model = randomize(R.Transformer(tiny(norm=norm, mlp=True, n_layer=2, bos=bos)))
-    a = torch.tensor([[0, 1, 2, 3, 4, 5]])
-    b = torch.tensor([[0, 1, 2, 3, 6, 5]])
+    a, b = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 1, 2, 3, 6, 5]])
     la, lb = model(a), model(b)
     assert torch.allclose(la[:, :4], lb[:, :4], atol=1e-6)
     assert not torch.allclose(la[:, 4], lb[:, 4], atol=1e-3)
@@ -562,8 +554,7 @@ def test_prefix_order_does_not_change_last_logits(norm, bos):
     # No positional encoding: in one layer the last position sees its prefix as a set.
     # (From two layers on, earlier positions carry their own prefixes, and order leaks in.)
     model = randomize(R.Transformer(tiny(norm=norm, mlp=True, bos=bos)))
-    a = torch.tensor([[0, 1, 2, 3, 4]])
-    b = torch.tensor([[2, 0, 3, 1, 4]])
+    a, b = torch.tensor([[0, 1, 2, 3, 4]]), torch.tensor([[2, 0, 3, 1, 4]])
     assert torch.allclose(model(a)[0, -1], model(b)[0, -1], atol=1e-5)
 
 
@@ -583,8 +574,7 @@ def test_bos_is_a_token_at_position_0_whose_output_is_cut():
 @pytest.mark.parametrize("norm", list(R.NORMS))
 def test_each_norm_placement_equals_its_formula(norm):
     model = randomize(R.Transformer(tiny(norm=norm, n_head=2)))
-    idx = torch.tensor([3, 0, 6, 2, 5])
-    block = model.blocks[0]
+    idx, block = torch.tensor([3, 0, 6, 2, 5]), model.blocks[0]
     x = model.wte.weight[idx]
     attn = lambda h: attention_by_hand(h, block.attn)
     ln = lambda h: layer_norm_by_hand(h, block.ln_1)
@@ -616,8 +606,7 @@ def test_dropout_acts_on_the_attention_weights_and_on_each_blocks_outputs():
 
 def test_ema_equals_its_closed_form_weighted_average():
     # avg_t = sum_k (1-d) d^(t-k) theta_k / (1 - d^t): the initialization has no weight.
-    d = 0.9
-    model = torch.nn.Linear(3, 2)
+    d, model = 0.9, torch.nn.Linear(3, 2)
     ema = R.EMA(model, d)
     thetas = [torch.randn(2, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     for th in thetas:
@@ -868,8 +857,7 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
     v = 8
     task = R.SetComplement(R.Config(vocab=v, train_len=v - 1))
     idx = task.eval_inputs(4)
-    target = task.target(idx, dtype=DT)
-    losses = []
+    target, losses = task.target(idx, dtype=DT), []
     for gamma in (0.5, 1.0, 2.0, 4.0, 8.0):
         model = R.hand_built(v, "pre", gamma)
         with torch.no_grad():
@@ -935,8 +923,7 @@ def test_balance_at_lengths_1_and_2_gives_f_for_any_convex_weights_and_the_1_ove
     # length s holds iff every other seen token has weight m_1 / (s delta), and then the
     # margin is m_1 / s. Checked by brute force: the balanced weights solve a linear system.
     v = 6
-    P = torch.eye(v, dtype=DT) - 1.0 / v
-    eye = torch.eye(v, dtype=DT)
+    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     B, D, m1, m2 = a_balanced_solution(v, alpha)
     delta = m2 / alpha
     assert m1 == pytest.approx(2 * m2, rel=1e-9)
@@ -972,19 +959,16 @@ def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
     # -m_1 e_y - delta sum a_i (e_(t_i) - e_y) up to a constant, with its own attention
     # weights a (read from the model), m_1 = 2 m_2, delta = m_2 / alpha.
     v, b, m2 = 6, 1.0, 1.0
-    alpha = 1 / (1 + math.exp(b))
-    model = uneven_split_model(v, b, m2)[0]
+    alpha, model = 1 / (1 + math.exp(b)), uneven_split_model(v, b, m2)[0]
     eye = torch.eye(v, dtype=DT)
-    P = eye - 1.0 / v
-    perm = permutations(3, v)[:, : v - 1]
+    P, perm = eye - 1.0 / v, permutations(3, v)[:, : v - 1]
     with torch.no_grad():
         logits, atts = model(perm, return_attn=True)
     delta, m1 = m2 / alpha, 2 * m2
     for bi in range(3):
         for s in range(1, v):
             t = perm[bi, :s].tolist()
-            y = t[-1]
-            a = atts[0][bi, 0, s - 1, :s]
+            y, a = t[-1], atts[0][bi, 0, s - 1, :s]
             want = -m1 * eye[y] - delta * (a[:, None] * (eye[t] - eye[y])).sum(0)
             assert ((logits[bi, s - 1] - want) @ P).abs().max() < 1e-10
             if s <= 2:
@@ -996,8 +980,7 @@ def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
 def test_symmetric_but_pair_dependent_splits_admit_no_balanced_model():
     # Theorem 1(b): a split alpha_xy = alpha_yx that differs between pairs forces m_2 = 0 (and then
     # m_1 = 0): Theorem 1(a) alone (which needs only symmetry) does not exclude it, the triangle does.
-    v = 4
-    g = torch.Generator().manual_seed(3)
+    v, g = 4, torch.Generator().manual_seed(3)
     for _ in range(2):
         r = 0.1 + 0.8 * torch.rand(v, v, generator=g, dtype=DT)
         alpha = ((r + r.T) / 2).tolist()                # symmetric, pair-dependent
@@ -1172,8 +1155,7 @@ def test_width_v_minus_1_is_balanced_up_to_tau_delta_with_weights_of_size_1_over
     # logit sits tau delta below the other seen tokens' (which sit delta / s below the
     # unseen ones): balanced up to an error tau delta, with weights of size 1 / tau.
     v, delta = 6, 1.5
-    Q = ones_complement(v)
-    eye = torch.eye(v - 1, dtype=DT)
+    Q, eye = ones_complement(v), torch.eye(v - 1, dtype=DT)
     perm = permutations(3, v)[:, : v - 1]
     for tau in (0.1, 0.01):
         logits = text_model(Q, -tau * delta * Q.T, eye / tau, eye)(perm)
@@ -1216,16 +1198,13 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
     # b_0, b_1, b_v, .., b_(n-1) (orthogonal to S), so B is a constant row. The normed
     # embeddings y_x are v affinely independent points of span(b_1 .. b_(v-1)); the value map
     # sends y_x + bias to Q[x] - (b_1 K^T), which cancels B: margin delta / s, exactly.
-    delta = 1.3
-    n = 2 * v - 3
+    delta, n = 1.3, 2 * v - 3
     g = torch.Generator().manual_seed(0)
     start = torch.cat([torch.ones(n, 1, dtype=DT), torch.randn(n, n - 1, generator=g, dtype=DT)],
                       dim=1)
-    b = torch.linalg.qr(start).Q.T
-    Q = ones_complement(v)
+    b, Q = torch.linalg.qr(start).Q.T, ones_complement(v)
     simplex = torch.cat([ones_complement(v - 1), torch.zeros(1, v - 2, dtype=DT)])
-    E = b[1] + simplex @ b[2:v]
-    K = torch.cat([b[0:2], b[v:]])
+    E, K = b[1] + simplex @ b[2:v], torch.cat([b[0:2], b[v:]])
     U = K.T @ (-delta * Q.T)
     Y = torch.nn.functional.layer_norm(E, (n,))                 # the normed embeddings
     X = torch.cat([Y @ b[1:v].T, torch.ones(v, 1, dtype=DT)], dim=1)
@@ -1252,8 +1231,7 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
     # rank(U P) = v - 1, so n = dim N + rank(UP) >= 2v - 2 (here with equality).
     v, delta = 5, 1.3
     n, r = 2 * v - 2, v - 1
-    Q = ones_complement(v)
-    P = torch.eye(v, dtype=DT) - 1.0 / v
+    Q, P = ones_complement(v), torch.eye(v, dtype=DT) - 1.0 / v
     E = torch.cat([torch.zeros(v, r, dtype=DT), Q], dim=1)
     W = torch.zeros(n, n, dtype=DT)
     W[r:, :r] = torch.eye(r, dtype=DT)
@@ -1285,8 +1263,7 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
     for alpha, ok in [(0.5, True), (0.3, False), (0.7, False)]:
         N = null_space(balance_equations(v, [[alpha] * v] * v, B_zero=True))
         assert (N.shape[1] > 0 and N[-1].abs().max() > 1e-3) == ok
-    delta = 1.7
-    Q = ones_complement(v)
+    delta, Q = 1.7, ones_complement(v)
     eye = torch.eye(v - 1, dtype=DT)
     model = text_model(Q, -delta * Q.T, eye, eye)
     perm = permutations(3, v)[:, : v - 1]
@@ -1312,8 +1289,7 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
     model = R.hand_built(vocab, norm, gamma)
     task = R.SetComplement(R.Config(vocab=vocab))
     perm = task.sample(8, vocab - 1, torch.Generator().manual_seed(3))
-    logits = model(perm)
-    seen = task.target(perm) == 0
+    logits, seen = model(perm), task.target(perm) == 0
     for s in range(1, vocab):
         row, mask = logits[:, s - 1], seen[:, s - 1]
         lo, hi = row[mask].view(8, s), row[~mask].view(8, vocab - s)
@@ -1335,8 +1311,7 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
     # its margin and evaluate()'s logit_gap equal gamma sqrt(n/v) v / sqrt(s (v - s)), n = 2v,
     # never below 2 gamma sqrt(n/v), reached only at s = v/2 (v even). With values not
     # centred over the vocabulary the margin is n / sqrt(s (n - s)) instead (Appendix B.2).
-    gamma = 0.7
-    n = 2 * v
+    gamma, n = 0.7, 2 * v
     model = eps_0(R.hand_built(v, "post", gamma))
     m = margins_at_every_length(model, v, n_perm=4)
     gap = R.evaluate(model, n_perm=5)["logit_gap"]
@@ -1445,8 +1420,7 @@ def test_a_common_part_of_the_values_sets_the_post_norm_gap(norm_cls):
     # c' = c minus its mean over the n features for LayerNorm, c' = c for RMSNorm.
     # LayerNorm removes only the part of c along the all-ones feature vector.
     v = 12
-    n = 2 * v
-    g = torch.Generator().manual_seed(1)
+    n, g = 2 * v, torch.Generator().manual_seed(1)
     centred = torch.cat([torch.eye(v, dtype=DT) - 1.0 / v, torch.zeros(v, v, dtype=DT)], 1)
     one_hot_common = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
     other_common = torch.cat([torch.full((v,), 0.3, dtype=DT), torch.randn(v, generator=g,
@@ -1602,8 +1576,7 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     # tolerance that sees eps: dropping it changes the margins by far more (checked). (c) The
     # C.5 table's numbers, to the digits it prints, and its order.
     v, train_len, eps = 32, 12, 1e-5
-    n = 2 * v
-    model = R.hand_built(v, "pre-final")
+    n, model = 2 * v, R.hand_built(v, "pre-final")
     perm = permutations(3, v)[:, : v - 1]
     with torch.no_grad():
         x = model.blocks[0](model.wte(perm))[0]       # the residual stream before ln_f
@@ -1665,8 +1638,7 @@ def test_bema_equals_its_closed_form():
     # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
     # bema_t = a_t (theta_t - theta_0) + ema_t
     model = torch.nn.Linear(2, 2, bias=False)
-    theta0 = model.weight.detach().clone()
-    bema = R.BEMA(model)
+    theta0, bema = model.weight.detach().clone(), R.BEMA(model)
     thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
     ema = theta0
     for t, th in enumerate(thetas, start=1):
@@ -1810,13 +1782,11 @@ def test_normed_bos_average_turns_monotonically_and_one_relu_feature_separates_d
     e = torch.eye(n, dtype=DT)
     ln = lambda z: torch.nn.functional.layer_norm(z, (n,), eps=0.0)   # noqa: E731
     pts = torch.stack([ln(e[0] + h * e[1]) for h in range(H)])
-    c0 = e[0] - 1.0 / n
-    c1 = e[1] - 1.0 / n
+    c0, c1 = e[0] - 1.0 / n, e[1] - 1.0 / n
     b1 = c0 / c0.norm()
     b2 = c1 - (c1 @ b1) * b1
     b2 = b2 / b2.norm()
-    angle = torch.atan2(pts @ b2, pts @ b1)
-    end = math.acos(-1 / (n - 1))
+    angle, end = torch.atan2(pts @ b2, pts @ b1), math.acos(-1 / (n - 1))
     assert torch.allclose(pts - (pts @ b1)[:, None] * b1 - (pts @ b2)[:, None] * b2,
                           torch.zeros_like(pts), atol=1e-12)        # in the plane
     assert abs(angle[0].item()) < 1e-12
@@ -1975,10 +1945,8 @@ def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b
     # Appendix E.3: every solution has m_2 = m_1 (e^b + 1)/(e^b + 2), D == -delta' I + d with
     # delta' = m_1 (e^b + 1), D_0 == d and B == -d; at length s the logits are then
     # -delta' / (e^b + s) 1_t: balanced with margin m_1 (e^b + 1) / (e^b + s).
-    v = 5
-    e = math.exp(b)
-    P = torch.eye(v, dtype=DT) - 1.0 / v
-    eye = torch.eye(v, dtype=DT)
+    v, e = 5, math.exp(b)
+    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     N = null_space(bos_balance_equations(v, b))
     assert N[-1].abs().max() > 1e-3
     assert (N[-1] - N[-2] * (e + 1) / (e + 2)).abs().max() < 1e-9
@@ -2003,8 +1971,7 @@ def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
     # by U, v+2 .. 2v+1 the token (not read).
     v, b, delta = 6, 1.2, 2.5
     model = bos_sink_model(v, b, delta)
-    m = margins_at_every_length(model, v)
-    e = math.exp(b)
+    m, e = margins_at_every_length(model, v), math.exp(b)
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(delta / (e + s), rel=1e-10)
         assert ms == pytest.approx(m[0] * (e + 1) / (e + s), rel=1e-10)
@@ -2052,8 +2019,7 @@ def test_save_and_load_give_identical_logits(tmp_path):
     model, (ema,), _ = R.train(cfg, log=lambda *a: None)
     path = str(tmp_path / "ckpt.pt")
     R.save_checkpoint(path, model, ema, cfg)
-    idx = R.SetComplement(cfg).sample(3, 7)
-    raw = R.load_checkpoint(path, raw=True)
+    idx, raw = R.SetComplement(cfg).sample(3, 7), R.load_checkpoint(path, raw=True)
     assert not raw.training
     R.evaluate(raw, n_perm=5)
     assert not raw.training          # evaluate() restores the mode it found
@@ -2579,8 +2545,7 @@ def test_the_laws_in_the_trained_models_match_plots_compare_json():
 
 def test_post_against_pre_final_at_2l_is_outside_seed_noise_in_every_regime_and_flips():
     # Lab notebook, section 1, "Strength"; the README's "no consistent winner".
-    record = load("plots/compare.json")
-    lower = {}
+    record, lower = load("plots/compare.json"), {}
     for regime in record["summary"]:
         post, final = (compare_cells(record, regime, n) for n in ("post", "pre-final"))
         assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
@@ -2679,8 +2644,7 @@ def test_notebook_ema_paragraph_matches_the_comparison():
 
 
 def test_notebook_tuned_numbers_match_their_json():
-    notebook = flat("plots/README.md")
-    tuned = load("plots/tuned/compare.json")
+    notebook, tuned = flat("plots/README.md"), load("plots/tuned/compare.json")
     chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
     t_post, t_final = (ema_curve(tuned, n, lr=chosen[n]) for n in ("post", "pre-final"))
     for fragment in [
