@@ -512,10 +512,8 @@ def make_task(cfg):
 # ----------------------------------------------------------------------------- log-length scaling
 class LogLengthAttention(CausalSelfAttention):
     """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions
-    (itself and every earlier one, BOS included) has its scores multiplied by s_h log(n),
-    with s_h a learned scale per head, initialized to 1:
-        att = softmax(s_h log(n) q k^T / sqrt(head size))
-    At n = 1 the one score becomes 0, which changes nothing: a single key has weight 1."""
+    (BOS included) has attention softmax(s_h log(n) q k^T / sqrt(head size)), with s_h a
+    learned scale per head, initially 1 (at n = 1 the one key keeps weight 1)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -825,11 +823,10 @@ def finished_runs():
 
 
 def run_grid(runs, device, averages=("ema", "bema"), later=0):
-    """Train and evaluate every run, on every core at once (one thread each), with a
-    progress line per run (its ETA counts `later` runs of a next stage too); each finished run
-    is appended to RUNS_FILE, and runs already there are not trained again (their seconds /
-    workers count in the wall time). Returns (results in the order of runs, wall seconds,
-    workers)."""
+    """Train and evaluate every run, one per core (one thread each), a progress line each (the
+    ETA counts `later` runs of a next stage too); append each to RUNS_FILE, and skip the runs
+    already there (their seconds / workers count in the wall). Returns (results in the order
+    of runs, wall seconds, workers)."""
     global RESUMED
     workers, old, t0, pool = grid_workers(runs, device), finished_runs(), time.time(), None
     done = [(c, *old[c]) for c in runs if c in old]
@@ -1154,11 +1151,9 @@ def alternatives_table(named, train_len, v):
     """named: {name: [result of each seed]} -> markdown, raw and EMA weights."""
     rows = []
     for name, results in named.items():
-        for avg in ("raw", "ema"):
-            gap_s = [mean([r[avg]["logit_gap"][s - 1] for r in results]) * s
-                     for s in range(1, v)]
-            rows.append([name, AVERAGE_LABELS[avg], *tvd_cells([r[avg] for r in results],
-                                                                train_len),
+        for avg, ms in ((a, [r[a] for r in results]) for a in ("raw", "ema")):
+            gap_s = [mean([m["logit_gap"][s - 1] for m in ms]) * s for s in range(1, v)]
+            rows.append([name, AVERAGE_LABELS[avg], *tvd_cells(ms, train_len),
                          f"{min(gap_s):.2f} - {max(gap_s):.2f}"])
     return md_table(["remedy", "weight average", "TVD, training lengths", "TVD, extrapolation",
                      f"TVD at s = {v - 1}", "gap x s, min - max over s (mean of seeds)"], rows)
@@ -1167,8 +1162,7 @@ def alternatives_table(named, train_len, v):
 def plot_alternatives(named, cfg):
     """alternatives.png: TVD and gap x s against length per remedy (EMA weights). Every other
     remedy is dashed, so that equal curves stay visible; plain Pre-Norm is wide, underneath."""
-    colors = ["tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:gray", "tab:blue",
-              "tab:cyan"]
+    colors = [f"tab:{c}" for c in ("red", "brown", "pink", "olive", "gray", "blue", "cyan")]
     styles = [dict(lw=4.5, zorder=1) if name == "pre" else
               dict(lw=3 if name.startswith("post") else 1.5, ls=("-", "--")[i % 2],
                    zorder=(5 if name.startswith("post") else 3) + i % 2)
@@ -1278,11 +1272,9 @@ def search_pairs(configs, results, rival, avg):
     pair: the larger of the two), with the weights avg."""
     out = []
     for runs in configs:
-        m = {arm: r[avg] for arm, (_, r) in search_arms(runs, results).items()}
-        L = runs[0].train_len
-        ratio = m[rival]["tvd"][2 * L - 1] / m["post"]["tvd"][2 * L - 1]
-        train = max(summarize(m[k], L)["tvd_train"] for k in (rival, "post"))
-        out.append((math.log(ratio), train))
+        m, L = {arm: r[avg] for arm, (_, r) in search_arms(runs, results).items()}, runs[0].train_len
+        out.append((math.log(m[rival]["tvd"][2 * L - 1] / m["post"]["tvd"][2 * L - 1]),
+                    max(summarize(m[k], L)["tvd_train"] for k in (rival, "post"))))
     return out
 
 
@@ -1318,21 +1310,19 @@ def search_losses(configs, results):
     settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
                 "heads": lambda c: c.n_head, "lr": lambda c: c.lr,
                 "batch": lambda c: c.batch_size, "steps": lambda c: c.steps}
+    rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"  # noqa: E731
     rows = []
     for name, get in settings.items():
         xs = [get(search_arms(runs, results)["post"][0]) for runs in configs]
         cut = statistics.median(xs)
-        low = [x > 0 for x, c in zip(logs, xs) if c <= cut]
-        high = [x > 0 for x, c in zip(logs, xs) if c > cut]
-        rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"  # noqa: E731
-        rows.append([name, f"{cut:.3g}", rate(low), rate(high)])
+        rows.append([name, f"{cut:.3g}"] + [rate([x > 0 for x, c in zip(logs, xs) if (c <= cut)
+                                                  == below]) for below in (True, False)])
     return md_table(["setting", "median", "post wins, at or below", "above"], rows)
 
 
-def plot_search(configs, results):
+def plot_search(configs, results, rivals):
     """search.png: the paired ratio at 2 L against the pair's training TVD, per rival."""
     import matplotlib.ticker
-    rivals = [a for a in ("pre-final", "pre") if a in {c.norm for c in configs[0]}]
     fig, axes = new_figure(len(rivals))
     for ax, rival in zip(axes, rivals):
         for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
@@ -1402,10 +1392,9 @@ def search(base, out, n, command, lrs=None):
     done, wall, workers = run_grid(sum(configs, []), pick_device(base.device), averages=("ema",))
     results = {c: r for c, r, _ in done}
     summary, text = search_text(configs, results, n, lrs)
-    text += "\n\n"
     details = f"seed {base.seed}; ranges in `search_configs`; protocol in plots/README.md"
-    finish(out, "search", text, command, details, {"search.png": plot_search(configs, results)},
-           done, wall, workers, summary=summary)
+    finish(out, "search", text + "\n\n", command, details, {"search.png": plot_search(
+        configs, results, list(summary))}, done, wall, workers, summary=summary)
 
 
 # ----------------------------------------------------------------------------- language suite
@@ -1531,15 +1520,14 @@ def theory(vocab, train_len, out):
         pred_tvd = [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)]
         print(f"\n{norm}: {NORMS[norm]}\n{'s':>4} {'margin: formula':>16} {'model':>10} "
               f"{'TVD: formula':>14} {'model':>10}")
-        for s in sorted({1, 2, 4, train_len, 2 * train_len, vocab - 1} & set(m["length"])):
-            i = s - 1
-            print(f"{s:>4} {pred_m[i]:16.5f} {m['logit_gap'][i]:10.5f} {pred_tvd[i]:14.3e} "
-                  f"{m['tvd'][i]:10.3e}")
-        c = COLORS[norm]
-        ax1.plot(m["length"], pred_m, color=c, lw=1.5, label=f"{norm}: formula")
-        ax1.plot(m["length"], m["logit_gap"], "o", color=c, ms=3, label=f"{norm}: model")
-        ax2.semilogy(m["length"], pred_tvd, color=c, lw=1.5)
-        ax2.semilogy(m["length"], [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3)
+        for i in sorted({1, 2, 4, train_len, 2 * train_len, vocab - 1} & set(m["length"])):
+            print(f"{i:>4} {pred_m[i - 1]:16.5f} {m['logit_gap'][i - 1]:10.5f} "
+                  f"{pred_tvd[i - 1]:14.3e} {m['tvd'][i - 1]:10.3e}")
+        s, c = m["length"], COLORS[norm]
+        ax1.plot(s, pred_m, color=c, label=f"{norm}: formula")
+        ax1.plot(s, m["logit_gap"], "o", color=c, ms=3, label=f"{norm}: model")
+        ax2.semilogy(s, pred_tvd, color=c)
+        ax2.semilogy(s, [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3)
     for ax in (ax1, ax2):
         shade_training(ax, train_len, vocab - 1, label=None)
     ax1.set(ylabel="margin: unseen minus seen logit",
@@ -1714,10 +1702,9 @@ def build_parser():
 
 
 def peak_memory(cfg):
-    """A rough upper estimate of one run's peak, in bytes: the libraries (512 MiB); 12 float32
-    copies of the weights (weights, gradients, Adam's moments, averages, a copy to evaluate);
-    a training step's activations and attention weights with their gradients, and its logits
-    (with exact targets, a few (B, T, v) tensors more); an evaluation chunk (32 bytes a number)."""
+    """A rough upper estimate of one run's peak, in bytes: the libraries (512 MiB), 12 copies of
+    the weights (gradients, Adam, averages), a step's activations, attention weights and logits
+    with their gradients (exact targets: a few more), an evaluation chunk (32 bytes a number)."""
     T, C, L = cfg.train_len + cfg.bos, cfg.n_embd, cfg.n_layer
     params = L * (4 + 8 * cfg.mlp) * C * C + (2 * cfg.vocab + cfg.bos) * C
     per_token = (L * (4 * cfg.n_head * T + 16 * C * (1 + 2 * cfg.mlp))
