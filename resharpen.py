@@ -403,8 +403,7 @@ class BEMA(EMA):
 
     def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
         super().__init__(model, decay=None)
-        self.kappa, self.eta, self.rho, self.gamma = kappa, eta, rho, gamma
-        self.correct = correct
+        self.kappa, self.eta, self.rho, self.gamma, self.correct = kappa, eta, rho, gamma, correct
         self.theta0 = [p.detach().clone() for p in model.parameters()]
         self.params = list(model.parameters())   # live: theta_t after the t-th update
 
@@ -416,8 +415,8 @@ class BEMA(EMA):
 
     @torch.no_grad()
     def averaged(self):
-        a = self.alpha(self.t)
-        return [s + a * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
+        return [s + self.alpha(self.t) * (p - p0)
+                for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
 
 
 # ----------------------------------------------------------------------------- languages
@@ -543,15 +542,13 @@ def write_file(path, write):
 def write_outputs(out, files):
     """Write {name: text, figure or JSON object} into the folder out; returns the paths."""
     os.makedirs(out, exist_ok=True)
-    paths = []
-    for name, data in files.items():
-        paths.append(os.path.join(out, name))
+    paths = [os.path.join(out, name) for name in files]
+    for path, data in zip(paths, files.values()):
         if hasattr(data, "savefig"):
-            write_file(paths[-1], lambda f: data.savefig(f, format="png", dpi=110))
+            write_file(path, lambda f: data.savefig(f, format="png", dpi=110))
         else:
             text = data if isinstance(data, str) else json.dumps(data, indent=1, allow_nan=False)
-            write_file(paths[-1], lambda f: Path(f).write_text(text.rstrip("\n") + "\n",
-                                                              encoding="utf-8"))
+            write_file(path, lambda f: Path(f).write_text(text.rstrip("\n") + "\n", "utf-8"))
     return paths
 
 
@@ -658,8 +655,7 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
         f", {RESUMED} of them resumed from an interrupted command (the wall counts their own "
         f"seconds / {workers})." if RESUMED else ".")
-    record["wall_seconds"] = wall
-    record["runs"] = [{"config": asdict(c), **r} for c, r, _ in done]
+    record.update(wall_seconds=wall, runs=[{"config": asdict(c), **r} for c, r, _ in done])
     md = f"Written by `{command}` ({details}).\n\n{text}\n"
     print("\n" + text)
     written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
@@ -784,9 +780,8 @@ def train_and_evaluate(cfg, averages=("ema", "bema"), threads=None):
     t0, task = time.time(), make_task(cfg)
     model, avgs, _ = train(cfg, task, log=lambda *a: None,
                            averagers=lambda m: [AVERAGERS[a](m) for a in averages])
-    result = {"raw": evaluate(model, task=task)}
-    for a, avg in zip(averages, avgs):
-        result[a] = evaluate(averaged_copy(model, avg), task=task)
+    result = {"raw": evaluate(model, task=task), **{
+        a: evaluate(averaged_copy(model, avg), task=task) for a, avg in zip(averages, avgs)}}
     if not all(finite(m) for m in result.values()):
         raise FloatingPointError(f"the metrics of {cfg} are not finite")
     return cfg, result, time.time() - t0
@@ -885,9 +880,8 @@ def tune_rates(base, norms, regimes, lrs, device):
     """Each placement in each regime trains at every rate on the first seed; the rate with
     the lowest training-length TVD (EMA weights) is chosen, and the other seeds train at it.
     Returns (every run, wall, workers, {(norm, targets, schedule): chosen rate})."""
-    stage2 = len(norms) * len(regimes) * (COMPARE_SEEDS - 1)   # counted in the ETA
     first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device,
-                                    later=stage2)
+                                    later=len(norms) * len(regimes) * (COMPARE_SEEDS - 1))
     key = lambda c: (c.norm, c.targets, c.lr_schedule)  # noqa: E731
     chosen = {}
     for c, r, _ in sorted(first, key=lambda d: summarize(d[1]["ema"], base.train_len)["tvd_train"]):
@@ -977,16 +971,14 @@ def laws_table(rows, v):
     says = {"pre": ("gap x s", "constant: the gap falls like 1/s"),
             "post": ("gap x sqrt(s (v-s)) / v",
                      "constant: the gap follows v / sqrt(s (v-s)), lowest at s = v/2")}
-    table = []
-    for norm, (_, law) in GAP_LAWS.items():
-        runs = rows[(norm, "sampled", "constant", "ema")]
-        vals = [g / law(s, v) for m in runs for s, g in zip(m["length"], m["logit_gap"])]
-        table.append([f"`{norm}`", *says[norm], f"{min(vals):.3f}", f"{max(vals):.3f}"])
-    for norm in ("pre", "pre-final", "post"):
-        runs = rows[(norm, "sampled", "constant", "ema")]
-        vals = [h - u for m in runs for h, u in zip(m["attn_entropy"], m["log_positions"])]
-        table.append([f"`{norm}`", "attention entropy - log s", "0: uniform attention",
-                      f"{min(vals):.3f}", f"{max(vals):.3f}"])
+    runs = {n: rows[(n, "sampled", "constant", "ema")] for n in NORMS}
+    span = lambda vals: [f"{min(vals):.3f}", f"{max(vals):.3f}"]  # noqa: E731
+    table = [[f"`{n}`", *says[n], *span([g / law(s, v) for m in runs[n]
+                                          for s, g in zip(m["length"], m["logit_gap"])])]
+             for n, (_, law) in GAP_LAWS.items()]
+    table += [[f"`{n}`", "attention entropy - log s", "0: uniform attention", *span(
+        [h - u for m in runs[n] for h, u in zip(m["attn_entropy"], m["log_positions"])])]
+        for n in ("pre", "pre-final", "post")]
     return ["### The laws of theory.md on the trained models (sampled, constant; EMA weights)",
             ""] + md_table(["norm", "quantity, over s = 1 .. v-1", "theory says", "min", "max"],
                            table)
@@ -1009,14 +1001,10 @@ def layer_entropy_table(rows, cfg, norms, regimes):
     seeds (0: uniform attention over the prefix)."""
     L, v = cfg.train_len, cfg.vocab
     at = sorted({L, 2 * L, v - 1} & set(range(1, v)))
-    table = []
-    for t, sch in regimes:
-        for norm in norms:
-            runs = rows[(norm, t, sch, "ema")]
-            for i in range(1, cfg.n_layer + 1):
-                cells = [mean([m[f"attn_entropy_layer{i}"][s - 1] - m["log_positions"][s - 1]
-                               for m in runs]) for s in at]
-                table.append([f"{t}, {sch}", f"`{norm}`", i] + [f"{x:.3f}" for x in cells])
+    table = [[f"{t}, {sch}", f"`{norm}`", i] + [f"{x:.3f}" for x in (mean(
+        [m[f"attn_entropy_layer{i}"][s - 1] - m["log_positions"][s - 1]
+         for m in rows[(norm, t, sch, "ema")]]) for s in at)]
+        for t, sch in regimes for norm in norms for i in range(1, cfg.n_layer + 1)]
     return ["### Attention entropy minus log(positions), per layer (EMA weights, mean of seeds; "
             "0 = uniform)", ""] + md_table(
         ["regime", "placement", "layer"] + [f"s = {s}" for s in at], table)
@@ -1272,7 +1260,7 @@ def search_pairs(configs, results, rival, avg):
     pair: the larger of the two), with the weights avg."""
     out = []
     for runs in configs:
-        m, L = {arm: r[avg] for arm, (_, r) in search_arms(runs, results).items()}, runs[0].train_len
+        L, m = runs[0].train_len, {a: r[avg] for a, (_, r) in search_arms(runs, results).items()}
         out.append((math.log(m[rival]["tvd"][2 * L - 1] / m["post"]["tvd"][2 * L - 1]),
                     max(summarize(m[k], L)["tvd_train"] for k in (rival, "post"))))
     return out
