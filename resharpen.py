@@ -941,24 +941,22 @@ def compare_summary(rows, L, v, norms, regimes):
 def compare_table(summary, L, v, norms):
     """Markdown: the headline (placements x regimes, EMA weights), then every regime in full."""
     tested = [r for r in (2, 4) if r * L <= v - 1]   # 2 L, and 4 L where it is a test length
-    at = [f"s = {r * L} ({r} L)" for r in tested]      # their names in columns()
-    regimes = list(summary)
-    rows = [[f"`{norm}`"] + [" / ".join(f"{mean(summary[r][norm]['ema'][c]):.4f}"
-                                        for c in ["training lengths"] + at) for r in regimes]
-            for norm in norms]
+    cols = ["training lengths"] + [f"s = {r * L} ({r} L)" for r in tested]   # as in columns()
+    regimes, names = list(summary), [name for name, _ in columns(L, v)]
+    rows = [[f"`{norm}`"] + [" / ".join(f"{mean(summary[r][norm]['ema'][c]):.4f}" for c in cols)
+                             for r in regimes] for norm in norms]
     if "post" in norms and "pre-final" in norms:
         rows.append(["`post` below `pre-final` from s ="] + [
             str(summary[r]["crossover"]["ema"] or "never") for r in regimes])
     out = ["### Headline: TVD on the training lengths / at " + " / at ".join(
         f"{r} L = {r * L}" for r in tested) + f" (EMA {COMPARE_EMA}, mean of {COMPARE_SEEDS} "
         "seeds)", ""] + md_table(["placement"] + regimes, rows)
-    names = [name for name, _ in columns(L, v)]
     for r in regimes:
         rows = [[f"`{norm}`", AVERAGE_LABELS[avg]] + [mean_sd(summary[r][norm][avg][n], 4)
                                                       for n in names]
                 for norm in norms for avg in AVERAGES]
-        out += ["", f"### {r} (TVD, mean +- sd over seeds)", ""]
-        out += md_table(["placement", "weights"] + names, rows)
+        out += ["", f"### {r} (TVD, mean +- sd over seeds)", ""] + md_table(
+            ["placement", "weights"] + names, rows)
         if "crossover" in summary[r]:
             out += ["", "`post` below `pre-final` at every length from s = " + ", ".join(
                 f"{summary[r]['crossover'][a] or 'never'} ({AVERAGE_LABELS[a]})"
@@ -1010,6 +1008,12 @@ def layer_entropy_table(rows, cfg, norms, regimes):
         ["regime", "placement", "layer"] + [f"s = {s}" for s in at], table)
 
 
+def norm_curves(runs, f, post_lw=2.5):
+    """plot_panels' curves of f(metrics) per placement: post wide and on top."""
+    return {n: (COLORS[n], [f(m) for m in ms], dict(lw=post_lw, zorder=5) if n == "post"
+                else dict(zorder=3)) for n, ms in runs.items()}
+
+
 def plot_compare_norms(rows, cfg):
     """compare_norms.png, the README's first figure, per placement (sampled targets, constant
     rate, EMA weights): the logit gap with theory.md's laws matched at the longest training
@@ -1017,11 +1021,7 @@ def plot_compare_norms(rows, cfg):
     L, v = cfg.train_len, cfg.vocab
     runs = {n: rows[(n, "sampled", "constant", "ema")]   # the remedy drawn last, on top
             for n in ("pre", "post-residual", "pre-final", "post")}
-
-    def curves(f):
-        return {n: (COLORS[n], [f(m) for m in ms], dict(lw=3, zorder=5) if n == "post"
-                    else dict(lw=1.5, zorder=3)) for n, ms in runs.items()}
-
+    curves = lambda f: norm_curves(runs, f, post_lw=3)  # noqa: E731
     gaps = {n: mean([m["logit_gap"][L - 1] for m in runs[n]]) for n in GAP_LAWS}
     return plot_panels([
         ("the logit gap: Pre-Norm's falls like 1/s", "unseen minus seen logit (log)",
@@ -1038,11 +1038,9 @@ def plot_regimes(rows, cfg, norms, regimes):
     """compare_regimes.png: TVD against length, one panel per regime, one curve per
     placement (EMA weights), log scale: 0.003 and 0.3 both show."""
     return plot_panels([(f"{t} targets, {sch} lr", "TVD to the exact target (log)",
-                         dict(yscale="log", ylim=(1e-4, 1)),
-                         {n: (COLORS[n], [m["tvd"] for m in rows[(n, t, sch, "ema")]],
-                              dict(lw=2.5, zorder=5) if n == "post" else dict(lw=1.5, zorder=3))
-                          for n in norms}) for t, sch in regimes],
-                       cfg.train_len, cfg.vocab - 1, ncol=len(norms) + 1)
+                         dict(yscale="log", ylim=(1e-4, 1)), norm_curves(
+                             {n: rows[(n, t, sch, "ema")] for n in norms}, lambda m: m["tvd"]))
+                        for t, sch in regimes], cfg.train_len, cfg.vocab - 1, ncol=len(norms) + 1)
 
 
 def compare(base, out, command, norms=None, regimes=None, lrs=None):
