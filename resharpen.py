@@ -892,15 +892,6 @@ def tune_rates(base, norms, regimes, lrs, device):
     return first + more, wall + wall2, workers, chosen
 
 
-def compare_rows(runs):
-    """Group finished runs by configuration: {(norm, targets, schedule, average): [metrics]}."""
-    rows = {}
-    for cfg, result, _ in runs:
-        for avg in AVERAGES:
-            rows.setdefault((cfg.norm, cfg.targets, cfg.lr_schedule, avg), []).append(result[avg])
-    return rows
-
-
 def columns(L, v):
     """The comparison's columns, fixed before any run (plots/README.md, P1-P5): mean TVD over the
     training lengths; TVD at 1.5, 2 and 4 times the longest training length L (where that
@@ -1055,9 +1046,11 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
     else:
         base = replace(base, lr=lrs[0]) if lrs else base
         done, wall, workers = run_grid(compare_grid(base, norms, regimes), device)
-    rows = compare_rows(d for d in done   # with tuned rates, the runs at the chosen ones
-                        if chosen.get((d[0].norm, d[0].targets, d[0].lr_schedule), d[0].lr) ==
-                        d[0].lr)
+    rows = {}   # {(norm, targets, schedule, average): [metrics]}, at the chosen rates if tuned
+    for c, result, _ in done:
+        if chosen.get((c.norm, c.targets, c.lr_schedule), c.lr) == c.lr:
+            for avg in AVERAGES:
+                rows.setdefault((c.norm, c.targets, c.lr_schedule, avg), []).append(result[avg])
     L, v = base.train_len, base.vocab
     summary = compare_summary(rows, L, v, norms, regimes)
     lines = compare_table(summary, L, v, norms)
@@ -1116,14 +1109,9 @@ def depth_sweep(root, out=None):
 # ----------------------------------------------------------------------------- alternatives
 # python resharpen.py --alternatives: would another remedy do as well? (theory.md, Appendix E)
 ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
-    "pre": {},
-    "pre + dropout 0.1": dict(dropout=0.1),
-    "pre + dropout 0.3": dict(dropout=0.3),
-    "pre + log-length scaling": dict(attn_scale="logn"),
-    "pre + BOS": dict(bos=True),
-    "post": dict(norm="post"),
-    "post + BOS": dict(norm="post", bos=True),
-}
+    "pre": {}, "pre + dropout 0.1": dict(dropout=0.1), "pre + dropout 0.3": dict(dropout=0.3),
+    "pre + log-length scaling": dict(attn_scale="logn"), "pre + BOS": dict(bos=True),
+    "post": dict(norm="post"), "post + BOS": dict(norm="post", bos=True)}
 
 
 def alternatives_grid(base):
@@ -1591,12 +1579,8 @@ MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos"
                "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
     "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"},
-    "search": {"lrs", "resume"},
-    "suite": set(SUITE_MODEL) | {"resume"},
-    "theory": {"vocab", "train_len"},
-    "handout": set(),
-}
+    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"}, "search": {"lrs", "resume"},
+    "suite": set(SUITE_MODEL) | {"resume"}, "theory": {"vocab", "train_len"}, "handout": set()}
 LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
           "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "search": (1, 100),
           "seed": (0, 2**32 - SUITE_SEEDS), "lr": (1e-12, 1e6), "ema": (0, 0.999999)}
@@ -1621,14 +1605,12 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--vocab", int, "vocabulary size v (a language's is 5)"),
     ("--train-len", int, "train on prefix lengths 1 .. this"),
     ("--targets", ["sampled", "exact"], "a sampled next token, or the exact distribution"),
-    ("--n-layer", int, "number of blocks"),
+    ("--n-layer", int, "number of blocks"), ("--n-embd", int, "width of the residual stream"),
     ("--n-head", int, "attention heads per block, dividing --n-embd"),
-    ("--n-embd", int, "width of the residual stream"),
     ("--mlp", bool, "add an MLP to each block (off: attention only)"),
     ("--bos", bool, "prepend a beginning-of-sequence token to every input"),
     ("--attn-scale", list(ATTENTIONS), "logn: scores times s_h log(n) (Scalable-Softmax)"),
-    ("--steps", int, "optimizer steps"),
-    ("--batch-size", int, "sequences per step"),
+    ("--steps", int, "optimizer steps"), ("--batch-size", int, "sequences per step"),
     ("--lr", float, "AdamW learning rate"),
     ("--lr-schedule", ["constant", "cosine"], "constant, or a cosine decay to zero"),
     ("--seed", int, "seed of the initialization and the training data"),
