@@ -621,8 +621,7 @@ def draw_laws(ax, s, gaps, L, v, **style):
 
 
 def summarize(metrics, train_len):
-    """Mean TVD over the training lengths, over the longer ones (None if there are none,
-    train_len = v - 1), and at the longest."""
+    """Mean TVD over the training lengths, beyond them (None if there are none), at the last."""
     tvd = metrics["tvd"]
     return {"tvd_train": mean(tvd[:train_len]),
             "tvd_extrap": mean(tvd[train_len:]) if tvd[train_len:] else None, "tvd_last": tvd[-1]}
@@ -906,8 +905,7 @@ def columns(L, v):
 
 
 def crossover(post, rival):
-    """The shortest length from which post's TVD (mean over seeds) is below rival's at every
-    longer length; None if it is not below at the longest."""
+    """The shortest length from which post's mean TVD stays below rival's; None if never."""
     a, b = ([mean(c) for c in zip(*[m["tvd"] for m in runs])] for runs in (post, rival))
     last = max((s for s in range(1, len(a) + 1) if a[s - 1] >= b[s - 1]), default=0)
     return last + 1 if last < len(a) else None
@@ -986,8 +984,7 @@ def rates_table(done, chosen, L):
 
 
 def layer_entropy_table(rows, cfg, norms, regimes):
-    """Dispersion per layer: attention entropy minus log(positions), EMA weights, mean over
-    seeds (0: uniform attention over the prefix)."""
+    """Attention entropy minus log(positions) per layer, EMA weights, mean of seeds (0: uniform)."""
     L, v = cfg.train_len, cfg.vocab
     at = sorted({L, 2 * L, v - 1} & set(range(1, v)))
     table = [[f"{t}, {sch}", f"`{norm}`", i] + [f"{x:.3f}" for x in (mean(
@@ -1026,8 +1023,7 @@ def plot_compare_norms(rows, cfg):
 
 
 def plot_regimes(rows, cfg, norms, regimes):
-    """compare_regimes.png: TVD against length, one panel per regime, one curve per
-    placement (EMA weights), log scale: 0.003 and 0.3 both show."""
+    """compare_regimes.png: TVD per regime and placement (EMA weights), log scale."""
     return plot_panels([(f"{t} targets, {sch} lr", "TVD to the exact target (log)",
                          dict(yscale="log", ylim=(1e-4, 1)), norm_curves(
                              {n: rows[(n, t, sch, "ema")] for n in norms}, lambda m: m["tvd"]))
@@ -1197,8 +1193,7 @@ def search_configs(n, seed, lrs=None):
 
 
 def search_arms(runs, results):
-    """{arm: (config, result)}: with several rates per arm, the rate with the lowest
-    training-length TVD (EMA weights)."""
+    """{arm: (config, result)}: each arm at its rate with the lowest training TVD (EMA weights)."""
     best = dict.fromkeys(c.norm for c in runs)   # the arms in the order of runs
     for c in reversed(sorted(runs, key=lambda c: summarize(results[c]["ema"],
                                                          c.train_len)["tvd_train"])):
@@ -1234,16 +1229,14 @@ def wilcoxon(diffs):
 
 @functools.lru_cache(maxsize=None)   # the same values recur in several subgroups
 def bootstrap_median(xs, reps=10000, seed=0):
-    """Median of the tuple xs and its 95 % percentile-bootstrap interval (fixed seed:
-    reproducible)."""
+    """Median of the tuple xs and its 95 % percentile-bootstrap interval (fixed seed)."""
     g = random.Random(seed)
     meds = sorted(statistics.median(g.choices(xs, k=len(xs))) for _ in range(reps))
     return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
 def search_pairs(configs, results, rival, avg):
-    """Per configuration: (log ratio rival / post of the TVD at 2 L, training TVD of the
-    pair: the larger of the two), with the weights avg."""
+    """Per configuration: (log of rival / post at 2 L, the pair's larger training TVD)."""
     out = []
     for runs in configs:
         L, m = runs[0].train_len, {a: r[avg] for a, (_, r) in search_arms(runs, results).items()}
@@ -1360,8 +1353,7 @@ def search_text(configs, results, n, lrs):
 
 
 def search(base, out, n, command, lrs=None):
-    """python resharpen.py --search N: N random configurations, one run per arm each (with
-    lrs: one per arm and rate, each arm at its best rate)."""
+    """python resharpen.py --search N: N random configurations, one run per arm (and rate)."""
     configs = search_configs(n, base.seed, lrs)
     done, wall, workers = run_grid(sum(configs, []), pick_device(base.device), averages=("ema",))
     results = {c: r for c, r, _ in done}
@@ -1475,14 +1467,12 @@ def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
 
 
 def predicted_tvd(vocab, s, margin):
-    """theory.md's TVD of balanced logits with margin m, s / (s + (v - s) e^m), written so
-    that a large margin cannot overflow."""
+    """theory.md's TVD of balanced logits of margin m, s / (s + (v - s) e^m), without overflow."""
     return 1 / (1 + (vocab - s) / s * math.exp(min(margin, 700)))
 
 
 def theory(vocab, train_len, out):
-    """The hand-built models against their formulas, each scaled so that its margin at the
-    longest training length is 6; writes theory.png."""
+    """The hand-built models against their formulas, each of margin 6 at s = L; theory.png."""
     print(f"hand-built models, v={vocab}, each scaled to margin 6 at s={train_len}; "
           "'model' is evaluate() on the script's own Transformer, in float64\n(a TVD below "
           "about 1e-15 is float64 rounding, not the model)")
@@ -1653,8 +1643,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    """Every flag defaults to None, so that check_args sees which were given; Config's
-    defaults (shown in --help) fill the rest."""
+    """Every flag defaults to None: check_args sees which were given; Config fills the rest."""
     p = Parser(allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                description=__doc__.split("\n\n")[1], epilog="where the LayerNorm sits "
                "(--norm):\n" + "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
@@ -1787,8 +1776,7 @@ def check_runs_file(path, runs, device, mode, resume, bad):
 
 
 def main(argv=None):
-    """The command line. Exit status: 0 done, 1 stopped (NaN, memory), 2 bad input, 130
-    Ctrl-C."""
+    """The command line. Exit status: 0 done, 1 stopped (NaN, memory), 2 bad input, 130 Ctrl-C."""
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen
     parser = build_parser()
