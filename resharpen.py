@@ -528,8 +528,7 @@ ATTENTIONS["logn"] = LogLengthAttention
 
 # ----------------------------------------------------------------------------- files
 def write_file(path, write):
-    """write(tmp) writes the file under a temporary name in the same folder, which is then
-    renamed: a reader, or a run interrupted while writing, never leaves half a file."""
+    """write(tmp), then rename tmp (same folder) to path: nobody ever sees half a file."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         write(tmp)
@@ -648,8 +647,8 @@ def plot_panels(panels, train_len, n, ncol=4, overlay=None):
 
 
 def finish(out, name, text, command, details, figures, done, wall, workers, **record):
-    """Print a grid's table, ending with its size and time, and write it to name.md with the
-    command that made it, its figures, and name.json: record and every run."""
+    """Print a grid's table with its size and time; write it (and its command) to name.md, its
+    figures, and name.json: record and every run."""
     wall = round(wall, 1)   # the table's seconds are the JSON's
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
         f", {RESUMED} of them resumed from an interrupted command (the wall counts their own "
@@ -672,20 +671,18 @@ def format_table(metrics, train_len, raw=None):
     log_n = "log(s+1)" if metrics["log_positions"][0] > 0 else "log s"   # BOS is one more
     head = f"{'s':>4} {'TVD':>7} {'invalid':>8} {'KL':>7} {'H(attn)':>8} {log_n:>8} {'gap':>7}"
     lines = [head + (f" {'TVD raw':>8}" if raw else "")]
-    for s in (r for r in rows if 1 <= r <= n):
-        i = s - 1
-        line = (f"{s:>4} {metrics['tvd'][i]:7.4f} {metrics['invalid_mass'][i]:8.4f} "
-                f"{metrics['kl'][i]:7.4f} {metrics['attn_entropy'][i]:8.3f} "
-                f"{metrics['log_positions'][i]:8.3f} {metrics['logit_gap'][i]:7.3f}")
-        line += f" {raw['tvd'][i]:8.4f}" if raw else ""
-        lines.append(line + ("   <- longest training length" if s == train_len else ""))
+    for s, i in ((r, r - 1) for r in rows if 1 <= r <= n):
+        lines.append(f"{s:>4} {metrics['tvd'][i]:7.4f} {metrics['invalid_mass'][i]:8.4f} "
+                     f"{metrics['kl'][i]:7.4f} {metrics['attn_entropy'][i]:8.3f} "
+                     f"{metrics['log_positions'][i]:8.3f} {metrics['logit_gap'][i]:7.3f}"
+                     + (f" {raw['tvd'][i]:8.4f}" if raw else "")
+                     + ("   <- longest training length" if s == train_len else ""))
     return "\n".join(lines)
 
 
 def plot_length(metrics, cfg, raw=None, average="EMA", laws=True):
-    """length.png. Left: TVD, 0 to 1. Middle: the logit gap (log scale) and theory.md's laws
-    matched at the longest training length L: 1/s (Pre-Norm) and v / sqrt(s (v - s)) (Post-
-    Norm). Right: attention entropy minus log(positions seen): 0 is uniform attention."""
+    """length.png: the TVD; the logit gap (log scale) with theory.md's laws matched at L (1/s,
+    v / sqrt(s (v - s))); attention entropy minus log(positions seen), 0 if uniform."""
     fig, axes = new_figure(3)
     s, L, v = metrics["length"], cfg.train_len, cfg.vocab
     for m, color, lw, label in ([(raw, "tab:gray", 1.2, "raw weights")] if raw else []) + [
@@ -797,7 +794,7 @@ RESUMED = 0        # how many of them run_grid took from an interrupted command 
 
 
 def resumable():   # whether an interrupted grid left finished runs for --resume
-    return bool(RUNS_FILE) and os.path.exists(RUNS_FILE)
+    return os.path.exists(RUNS_FILE or "")
 
 
 def finished_runs():
@@ -866,9 +863,8 @@ REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant")
 
 
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
-    """Every run of the comparison: each placement in each regime (at each rate), COMPARE_SEEDS
-    seeds. Each run trains once and is evaluated with its raw, EMA and BEMA weights: the
-    averages never feed back into training, so 'EMA off' is exactly the raw weights."""
+    """Each placement in each regime (at each rate), COMPARE_SEEDS seeds; each run is evaluated
+    with its raw, EMA and BEMA weights (averages never feed back: 'EMA off' is the raw run)."""
     seeds = [base.seed + i for i in range(COMPARE_SEEDS)] if seeds is None else seeds
     return [replace(base, norm=n, targets=t, lr_schedule=sch, lr=lr or base.lr, ema=0.0,
                     bema=False, seed=s)
@@ -876,9 +872,8 @@ def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=N
 
 
 def tune_rates(base, norms, regimes, lrs, device):
-    """Each placement in each regime trains at every rate on the first seed; the rate with
-    the lowest training-length TVD (EMA weights) is chosen, and the other seeds train at it.
-    Returns (every run, wall, workers, {(norm, targets, schedule): chosen rate})."""
+    """Every rate on the first seed; the other seeds at the rate with the lowest training-length
+    TVD (EMA weights). Returns (every run, wall, workers, {(norm, targets, schedule): rate})."""
     first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device,
                                     later=len(norms) * len(regimes) * (COMPARE_SEEDS - 1))
     key = lambda c: (c.norm, c.targets, c.lr_schedule)  # noqa: E731
@@ -1003,9 +998,8 @@ def norm_curves(runs, f, post_lw=2.5):
 
 
 def plot_compare_norms(rows, cfg):
-    """compare_norms.png, the README's first figure, per placement (sampled targets, constant
-    rate, EMA weights): the logit gap with theory.md's laws matched at the longest training
-    length L, the TVD on a linear axis, and attention entropy minus log s (0: uniform)."""
+    """compare_norms.png, the README's first figure (sampled, constant, EMA weights): the logit
+    gap with theory.md's laws matched at L, the TVD, and attention entropy minus log s."""
     L, v = cfg.train_len, cfg.vocab
     runs = {n: rows[(n, "sampled", "constant", "ema")]   # the remedy drawn last, on top
             for n in ("pre", "post-residual", "pre-final", "post")}
@@ -1031,9 +1025,8 @@ def plot_regimes(rows, cfg, norms, regimes):
 
 
 def compare(base, out, command, norms=None, regimes=None, lrs=None):
-    """python resharpen.py --compare: every placement in every regime, 3 seeds; writes
-    compare.md, compare.json and 2 figures. norms, regimes: a subset (then only the regimes
-    figure); lrs: rates to tune over (tune_rates)."""
+    """python resharpen.py --compare: compare.md, .json and 2 figures (norms, regimes: a subset,
+    and only the regimes figure; lrs: rates to tune over, tune_rates)."""
     full = norms is None and regimes is None
     norms, regimes, device, chosen = norms or tuple(NORMS), regimes or REGIMES, pick_device(
         base.device), {}
@@ -1370,9 +1363,8 @@ SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffl
 # reads what the first computed at every position), an MLP to read counts, and a BOS
 # token, whose share of uniform attention, 1 / (t + 1), tells the model how long its
 # prefix is (theory.md, Appendix D). Trained on lengths 1..16, tested to 64.
-SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True,
-                   dropout=0.0, steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant",
-                   targets="sampled")
+SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True, dropout=0.0,
+                   steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant", targets="sampled")
 SUITE_NORMS = ("pre", "pre-final", "post")
 SUITE_SEEDS = 5
 T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
@@ -1729,9 +1721,8 @@ def check_args(args, parser):
 
 
 def check_paths(args, mode, runs, device, bad):
-    """--save names a new file, not a folder nor one the run writes; --out's and --save's
-    folders are made and written once (a probe file), so that a path that cannot be written
-    fails now; a grid's runs file holds only runs it would keep (check_runs_file)."""
+    """--save names a new file, not a folder nor one the run writes; --out and --save are
+    written once now (a probe file); a grid's runs file holds only runs it keeps."""
     out = os.path.abspath(args.out or "runs")
     if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep)) or
                                   os.path.isdir(args.save) or os.path.abspath(args.save) in
@@ -1787,8 +1778,7 @@ def main(argv=None):
         "--out=") or i and argv[i - 1] == "--out")]   # what changes no number
     command = shlex.join(["python", "resharpen.py"] + shown)   # for the tables
     global RUNS_FILE, RESUMED
-    RUNS_FILE = os.path.join(out, f"{mode}.runs.jsonl") if mode in GRIDS else None
-    RESUMED = 0
+    RUNS_FILE, RESUMED = os.path.join(out, f"{mode}.runs.jsonl") if mode in GRIDS else None, 0
     run = {"handout": lambda: handout(out), "theory": lambda: theory(cfg.vocab, cfg.train_len, out),
            "compare": lambda: compare(cfg, out, command, args.norms, args.regimes, args.lrs),
            "suite": lambda: suite(cfg, out, command, **suite_flags),
