@@ -442,11 +442,10 @@ class Language:
                 "depth": torch.zeros(n, dtype=torch.long)}
 
     def distribution(self, state, dtype=torch.float):
-        """The exact distribution of the next token of every row, (n, 2k + 1).
-        dyck (Hewitt et al. 2020): empty stack: each open 1/(2k), END 1/2; full stack (depth D):
-          only the matching close; otherwise each open 1/(2k), the matching close 1/2.
-        shuffle (Bhattamishra et al. 2020): uniform over every open, every close whose counter
-          is above 0, and END when all counters are 0."""
+        """The exact next-token distribution of every row, (n, 2k + 1). Dyck (Hewitt et al.
+        2020): empty stack: each open 1/(2k), END 1/2; full (depth D): the matching close; else
+        each open 1/(2k), the matching close 1/2. Shuffle (Bhattamishra et al. 2020): uniform
+        over the opens, the closes whose counter is above 0, and END when all counters are 0."""
         k, depth = self.cfg.brackets, state["depth"]
         if self.cfg.task == "shuffle":
             legal = torch.cat([torch.ones_like(state["count"]), state["count"] > 0,
@@ -494,8 +493,7 @@ class Language:
         return self.sample(n, 4 * self.cfg.train_len, g)
 
     def loss_floor(self):
-        """The target's entropy over the training positions, estimated on the first train_len
-        tokens of 2000 fixed streams (eval_inputs', drawn token by token from the same seed)."""
+        """The target's entropy over the training positions, on 2000 fixed streams."""
         g = torch.Generator().manual_seed(EVAL_SEED)
         p = self.target(self.sample(2000, self.cfg.train_len, g), torch.double)
         return -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
@@ -510,9 +508,8 @@ def make_task(cfg):
 
 # ----------------------------------------------------------------------------- log-length scaling
 class LogLengthAttention(CausalSelfAttention):
-    """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions
-    (BOS included) has attention softmax(s_h log(n) q k^T / sqrt(head size)), with s_h a
-    learned scale per head, initially 1 (at n = 1 the one key keeps weight 1)."""
+    """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions (BOS
+    included) attends by softmax(s_h log(n) q k^T / sqrt(head size)), s_h learned, initially 1."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -627,9 +624,8 @@ def summarize(metrics, train_len):
 
 
 def plot_panels(panels, train_len, n, ncol=4, overlay=None):
-    """A figure of metrics against length s = 1 .. n, one panel per (title, ylabel, axis
-    settings, curves); each curve {label: (color, [one list per seed], line style)} is drawn
-    as its mean with a min-max band over the seeds; training lengths shaded."""
+    """Metrics against length s = 1 .. n, a panel per (title, ylabel, axis settings, curves);
+    a curve {label: (color, [a list per seed], style)} is its mean with a min-max band."""
     fig, axes = new_figure(len(panels), width=4.8 if len(panels) < 4 else 3.9, height=4.2)
     for ax, (title, ylabel, settings, curves) in zip(axes, panels):
         shade_training(ax, train_len, n)
@@ -814,10 +810,9 @@ def finished_runs():
 
 
 def run_grid(runs, device, averages=("ema", "bema"), later=0):
-    """Train and evaluate every run, one per core (one thread each), a progress line each (the
-    ETA counts `later` runs of a next stage too); append each to RUNS_FILE, and skip the runs
-    already there (their seconds / workers count in the wall). Returns (results in the order
-    of runs, wall seconds, workers)."""
+    """Train and evaluate every run, one per core, a progress line each (the ETA counts `later`
+    runs too); append each to RUNS_FILE and skip those already there (their seconds / workers
+    count in the wall). Returns (results in the order of runs, wall seconds, workers)."""
     global RESUMED
     workers, old, t0, pool = grid_workers(runs, device), finished_runs(), time.time(), None
     done = [(c, *old[c]) for c in runs if c in old]
@@ -876,12 +871,11 @@ def tune_rates(base, norms, regimes, lrs, device):
     TVD (EMA weights). Returns (every run, wall, workers, {(norm, targets, schedule): rate})."""
     first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device,
                                     later=len(norms) * len(regimes) * (COMPARE_SEEDS - 1))
-    key = lambda c: (c.norm, c.targets, c.lr_schedule)  # noqa: E731
     chosen = {}
     for c, r, _ in sorted(first, key=lambda d: summarize(d[1]["ema"], base.train_len)["tvd_train"]):
-        chosen.setdefault(key(c), c.lr)
-    rest = [replace(c, seed=base.seed + i) for c, _, _ in first if c.lr == chosen[key(c)]
-            for i in range(1, COMPARE_SEEDS)]
+        chosen.setdefault((c.norm, c.targets, c.lr_schedule), c.lr)
+    rest = [replace(c, seed=base.seed + i) for c, _, _ in first
+            if c.lr == chosen[(c.norm, c.targets, c.lr_schedule)] for i in range(1, COMPARE_SEEDS)]
     more, wall2, _ = run_grid(rest, device)
     return first + more, wall + wall2, workers, chosen
 
@@ -890,11 +884,9 @@ def columns(L, v):
     """The comparison's columns, fixed before any run (plots/README.md, P1-P5): mean TVD over the
     training lengths; TVD at 1.5, 2 and 4 times the longest training length L (where that
     length exists, s <= v - 1); mean TVD over every longer length; TVD at s = v - 1."""
-    cols = [("training lengths", lambda m: summarize(m, L)["tvd_train"])]
-    for r in (1.5, 2, 4):
-        s = round(r * L)
-        if L < s <= v - 1:
-            cols.append((f"s = {s} ({r:g} L)", lambda m, s=s: m["tvd"][s - 1]))
+    cols = [("training lengths", lambda m: summarize(m, L)["tvd_train"])] + [
+        (f"s = {s} ({r:g} L)", lambda m, s=s: m["tvd"][s - 1])
+        for r, s in ((r, round(r * L)) for r in (1.5, 2, 4)) if L < s <= v - 1]
     return cols + [(f"mean, s = {L + 1}..{v - 1}", lambda m: summarize(m, L)["tvd_extrap"]),
                    (f"s = {v - 1}", lambda m: m["tvd"][-1])]
 
@@ -1147,8 +1139,7 @@ def alternatives(base, out, command):
     done, wall, workers = run_grid(alternatives_grid(base), pick_device(base.device),
                                    averages=("ema",))
     k = COMPARE_SEEDS   # run_grid returns the runs in grid order: k seeds per remedy
-    named = {name: [r for _, r, _ in done[i * k:(i + 1) * k]]
-             for i, name in enumerate(ALTERNATIVES)}
+    named = {name: [r for _, r, _ in done[i * k:i * k + k]] for i, name in enumerate(ALTERNATIVES)}
     text = "\n".join(alternatives_table(named, base.train_len, base.vocab)) + (
         f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. ")
     details = (f"v={base.vocab}, train lengths 1..{base.train_len}, {base.steps} steps, batch "
@@ -1167,9 +1158,8 @@ SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subg
 
 
 def search_configs(n, seed, lrs=None):
-    """n random configurations in the pre-registered ranges (2 L is always a test length), each
-    trained once per arm from the same seed; with lrs (the tuned search), arms pre-final and
-    post at every rate, in the corner most favourable to post (large batches, long runs)."""
+    """n random configurations in the pre-registered ranges, once per arm from the same seed; with
+    lrs, pre-final and post at every rate, in post's best corner (large batches, long runs)."""
     g, configs = random.Random(seed), []
     for i in range(n):
         v, heads = g.randint(16, 64), g.randint(1, 4)
@@ -1264,8 +1254,7 @@ def search_summary(configs, results):
 
 
 def search_losses(configs, results):
-    """Where post wins the primary endpoint: for each drawn setting, post's win rate in the
-    configurations below and above its median (exploratory: six splits, none corrected)."""
+    """Post's win rate (primary endpoint) at or below and above each setting's median."""
     logs = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")]
     settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
                 "heads": lambda c: c.n_head, "lr": lambda c: c.lr,
@@ -1452,9 +1441,8 @@ def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
     if norm == "pre-final":        # the final LN sees that token plus u_bar / sqrt(var_1)
         var_f = (1 + (1 / s - 1 / vocab) / var_1) / n - 1 / n**2
         return gamma / (s * math.sqrt(var_1) * math.sqrt(var_f + eps))
-    var = {"post": (1 / s - 1 / vocab) / n,                          # u_bar alone: shrinks
-           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2,  # token + u_bar
-           }[norm]
+    var = {"post": (1 / s - 1 / vocab) / n,                                 # u_bar alone: shrinks
+           "post-residual": (1 + 1 / s - 1 / vocab) / n - 1 / n**2}[norm]   # token + u_bar
     return gamma / (s * math.sqrt(var + eps))
 
 
@@ -1651,9 +1639,8 @@ def build_parser():
 
 
 def peak_memory(cfg):
-    """A rough upper estimate of one run's peak, in bytes: the libraries (512 MiB), 12 copies of
-    the weights (gradients, Adam, averages), a step's activations, attention weights and logits
-    with their gradients (exact targets: a few more), an evaluation chunk (32 bytes a number)."""
+    """A rough upper estimate of one run's peak, in bytes: the libraries, 12 copies of the weights,
+    a step's activations, attention and logits with gradients, an evaluation chunk."""
     T, C, L = cfg.train_len + cfg.bos, cfg.n_embd, cfg.n_layer
     params = L * (4 + 8 * cfg.mlp) * C * C + (2 * cfg.vocab + cfg.bos) * C
     per_token = (L * (4 * cfg.n_head * T + 16 * C * (1 + 2 * cfg.mlp))
