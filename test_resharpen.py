@@ -9,7 +9,6 @@ import json
 import math
 import multiprocessing
 import os
-import pathlib
 import re
 import runpy
 import shlex
@@ -391,23 +390,17 @@ def legal_prefix(seq, task, k, D):
     """Is seq a prefix of some stream of the language?"""
     stack, counts = [], [0] * k
     for tok in seq:
+        kind, opens = tok % k, tok < k
         if tok == 2 * k:                                  # END: only with nothing open
-            if stack or any(counts):
+            if any(counts):
                 return False
-        elif tok < k:                                     # open
-            if task == "dyck":
-                if len(stack) == D:
-                    return False
-                stack.append(tok)
-            counts[tok] += 1
-        else:                                             # close
-            if task == "dyck" and (not stack or stack[-1] != tok - k):
-                return False
-            if task == "shuffle" and counts[tok - k] == 0:
-                return False
-            if task == "dyck":
-                stack.pop()
-            counts[tok - k] -= 1
+        elif task == "dyck" and (len(stack) == D if opens else stack[-1:] != [kind]):
+            return False                                  # a full stack, or the wrong close
+        elif task == "shuffle" and not opens and counts[kind] == 0:
+            return False                                  # a close with no open
+        else:
+            counts[kind] += 1 if opens else -1
+            stack = stack + [kind] if opens else stack[:-1]
     return True
 
 
@@ -447,20 +440,10 @@ def expect_exit_2(argv, flag, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
 
-def ema_curve(record, norm, key="tvd", **fixed):
-    """Mean over seeds of the EMA weights' per-length key, for the runs of record with that
-    placement, sampled targets and a constant rate (and the config values in fixed)."""
-    fixed = {"targets": "sampled", "lr_schedule": "constant", "norm": norm, **fixed}
-    runs = [r["ema"][key] for r in record["runs"]
-            if all(r["config"][k] == v for k, v in fixed.items())]
-    return [sum(c) / len(c) for c in zip(*runs)]
-
-
 def readme_exercise_commands():
     """Every `python starter.py ...` line in the README's Exercises section (the reference
     runs them here: the completed starter is the same script)."""
-    text = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Exercises", 1)[1].split("\n## ", 1)[0]
+    section = read("README.md").split("## Exercises", 1)[1].split("\n## ", 1)[0]
     return [shlex.split(line)[2:] for line in section.splitlines()
             if line.startswith("python starter.py")]
 
@@ -2635,17 +2618,20 @@ def test_notebook_ema_paragraph_matches_the_comparison():
 def test_notebook_tuned_numbers_match_their_json():
     notebook, tuned = flat("plots/README.md"), load("plots/tuned/compare.json")
     chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
-    t_post, t_final = (ema_curve(tuned, n, lr=chosen[n]) for n in ("post", "pre-final"))
+    t_post, t_final = ([mean(c) for c in zip(*[   # sampled, constant, at the chosen rate
+        r["ema"]["tvd"] for r in tuned["runs"] if (r["config"]["norm"], r["config"]["lr"],
+        r["config"]["targets"], r["config"]["lr_schedule"]) == (n, chosen[n], "sampled",
+                                                                 "constant")])]
+        for n in ("post", "pre-final"))
     for fragment in [
             "Chosen: " + ", ".join(f"`{n}` {chosen[n]:g}" for n in ("pre", "pre-final", "post")),
             f"`post` below `pre-final` from s = {tuned['summary']['sampled, constant']['crossover']['ema']} "
             f"(at s = 31: {t_post[30]:.3f} against {t_final[30]:.3f})"]:
         assert fragment in notebook, fragment
-    summary = tuned["summary"]["sampled, constant"]
     for norm in ("pre", "pre-final", "post"):
-        ema = summary[norm]["ema"]
-        cells = [sum(ema[c]) / 3 for c in ("training lengths", "s = 24 (2 L)")]
-        assert f"`{norm}` {cells[0]:.4f} / {cells[1]:.4f}" in notebook
+        ema = tuned["summary"]["sampled, constant"][norm]["ema"]
+        assert f"`{norm}` {mean(ema['training lengths']):.4f} / {mean(ema['s = 24 (2 L)']):.4f}" \
+            in notebook
 
 
 def test_notebook_depth_numbers_match_plots_depth2_and_depth4():
