@@ -151,8 +151,7 @@ def permutations(n, v, seed=0):
 
 def randomize_double(model, seed=0):
     """float64, weights of size about 0.5, LayerNorm gains and biases away from (1, 0)."""
-    model = model.double().eval()
-    g = torch.Generator().manual_seed(seed)
+    model, g = model.double().eval(), torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
@@ -288,8 +287,7 @@ def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
     BOS score b above the others, and an own-key bonus Delta. Features: 0 constant, 1 BOS
     flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token (not read)."""
     n, eye = 2 * v + 2, torch.eye(v, dtype=DT)
-    d = torch.linspace(-1, 1, v, dtype=DT) ** 2
-    E = torch.zeros(v + 1, n, dtype=DT)
+    d, E = torch.linspace(-1, 1, v, dtype=DT) ** 2, torch.zeros(v + 1, n, dtype=DT)
     E[:, 0] = 1.0
     E[v, 1] = 1.0
     E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
@@ -474,8 +472,7 @@ def test_next_token_is_uniform_over_unseen_tokens():
     v, n = 5, 40000
     perm = R.SetComplement(R.Config(vocab=v)).sample(n, v, torch.Generator().manual_seed(1))
     pairs = torch.bincount(perm[:, 0] * v + perm[:, 1], minlength=v * v).view(v, v).float()
-    expected = n / (v * (v - 1))
-    off_diag = pairs[~torch.eye(v, dtype=torch.bool)]
+    expected, off_diag = n / (v * (v - 1)), pairs[~torch.eye(v, dtype=torch.bool)]
     assert pairs.diag().sum() == 0
     assert (off_diag - expected).abs().max() < 5 * math.sqrt(expected)
 
@@ -536,8 +533,7 @@ def test_bos_is_a_token_at_position_0_whose_output_is_cut():
     logits, atts = model(idx, return_attn=True)
     assert logits.shape == (1, 3, 7) and atts[0].shape == (1, 2, 3, 4)
     # The same weights without --bos, with token 0 given BOS's embedding, fed (0, 3, 1, 4):
-    plain = R.Transformer(tiny(n_layer=2)).eval()
-    state = model.state_dict()
+    plain, state = R.Transformer(tiny(n_layer=2)).eval(), model.state_dict()
     state["wte.weight"] = torch.cat([state["wte.weight"][7:], state["wte.weight"][1:7]])
     plain.load_state_dict(state)
     assert torch.allclose(plain(torch.tensor([[0, 3, 1, 4]]))[:, 1:], logits, atol=1e-6)
@@ -636,8 +632,7 @@ def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
         with torch.no_grad():
             box.weight -= eta * (h * box.weight + sigma * torch.randn(1, chains, generator=g))
         ema.update(box)
-    V = eta * sigma**2 / (h * (2 - eta * h))
-    rho = 1 - eta * h
+    V, rho = eta * sigma**2 / (h * (2 - eta * h)), 1 - eta * h
     V_ema = V * (1 - d) / (1 + d) * (1 + d * rho) / (1 - d * rho)
     assert box.weight.var().item() == pytest.approx(V, rel=0.08)
     assert ema.shadow[0].var().item() == pytest.approx(V_ema, rel=0.08)
@@ -682,8 +677,7 @@ def test_sgd_iterates_have_the_ar1_covariance_v_rho_to_the_lag():
     # Cov(theta_(k+h), theta_k) = V rho^h, also for rho < 0 (eta lam > 1).
     sigma, lam, K = 0.7, 2.0, 12
     for eta in (0.005, 0.3, 0.75):            # eta lam = 0.01, 0.6, 1.5
-        rho = 1 - eta * lam
-        V = eta * sigma**2 / (lam * (2 - eta * lam))
+        rho, V = 1 - eta * lam, eta * sigma**2 / (lam * (2 - eta * lam))
         c = torch.zeros(K + 1, K + 1, dtype=DT)   # c[k] = coefficients of theta_k
         c[0, 0] = math.sqrt(V)                    # on theta_0 / sqrt(V) and xi_j / sigma
         for k in range(K):
@@ -1011,8 +1005,7 @@ def test_balance_at_length_3_forces_the_even_split():
     for b in [-1.5, -0.4, 0.2, 1.0, 2.5]:
         model, _, _ = uneven_split_model(v, b)
         alpha, a3 = 1 / (1 + math.exp(b)), 1 / (2 + math.exp(b))
-        row = model(torch.tensor([[3, 0, 1]]))[0, -1]
-        want = (3 * a3 - 2 * alpha) / alpha
+        row, want = model(torch.tensor([[3, 0, 1]]))[0, -1], (3 * a3 - 2 * alpha) / alpha
         assert (row[1] - row[3]).item() == pytest.approx(want, abs=1e-12)
         assert abs(want) > 0.02
     bs = torch.linspace(-6, 6, 1201, dtype=DT)
@@ -1237,8 +1230,7 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
         assert (N.shape[1] > 0 and N[-1].abs().max() > 1e-3) == ok
     delta, Q = 1.7, ones_complement(v)
     eye = torch.eye(v - 1, dtype=DT)
-    model = text_model(Q, -delta * Q.T, eye, eye)
-    perm = permutations(3, v)[:, : v - 1]
+    model, perm = text_model(Q, -delta * Q.T, eye, eye), permutations(3, v)[:, : v - 1]
     with torch.no_grad():
         attn_out, _ = model.blocks[0].attn(model.wte(perm))
         logits = attn_out @ model.lm_head.weight.T          # U reads the attention output only
@@ -1258,8 +1250,7 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
 @pytest.mark.parametrize("norm", list(R.NORMS))
 def test_hand_built_models_match_the_formulas(vocab, norm):
     gamma = 1.7
-    model = R.hand_built(vocab, norm, gamma)
-    task = R.SetComplement(R.Config(vocab=vocab))
+    model, task = R.hand_built(vocab, norm, gamma), R.SetComplement(R.Config(vocab=vocab))
     perm = task.sample(8, vocab - 1, torch.Generator().manual_seed(3))
     logits, seen = model(perm), task.target(perm) == 0
     for s in range(1, vocab):
@@ -1286,8 +1277,7 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
     gamma, n = 0.7, 2 * v
     model = eps_0(R.hand_built(v, "post", gamma))
     m = margins_at_every_length(model, v, n_perm=4)
-    gap = R.evaluate(model, n_perm=5)["logit_gap"]
-    floor = 2 * gamma * math.sqrt(n / v)
+    gap, floor = R.evaluate(model, n_perm=5)["logit_gap"], 2 * gamma * math.sqrt(n / v)
     for s in range(1, v):
         want = gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s))
         assert m[s - 1] == pytest.approx(want, rel=1e-10)
@@ -1520,8 +1510,7 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
     # Post-Norm model has m_1 / m_2 = sqrt(2 (v-2) / (v-1)), not 2 (Theorem 1(a) assumes no norm).
     v = 32
     n = 2 * v
-    A = (n - 1) / n
-    m = margins_with_eps_0(v, "post-residual")
+    A, m = (n - 1) / n, margins_with_eps_0(v, "post-residual")
     for s0 in (1, 2):
         gains = [m[s - 1] / m[s0 - 1] * s / s0 for s in range(s0, v)]
         for s, gain in zip(range(s0, v), gains):
@@ -1961,8 +1950,7 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
     # 1 BOS flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token. Scores: b on BOS; an own-key
     # bonus Delta (Delta = 0: equal weights on the seen tokens).
     v, b, delta = 6, 1.2, 2.5
-    eye = torch.eye(v, dtype=DT)
-    perm = permutations(3, v, seed=2)[:, : v - 1]
+    eye, perm = torch.eye(v, dtype=DT), permutations(3, v, seed=2)[:, : v - 1]
     for Delta in (0.0, 0.7):
         model = bos_sink_model(v, b, delta, Delta, attn_scale="logn")
         with torch.no_grad():
@@ -2581,8 +2569,7 @@ def test_readme_main_command_output_is_what_plots_metrics_json_holds():
 
 
 def test_notebook_ema_paragraph_matches_the_comparison():
-    notebook = flat("plots/README.md")
-    summary = load("plots/compare.json")["summary"]
+    notebook, summary = flat("plots/README.md"), load("plots/compare.json")["summary"]
     at = lambda regime, norm, avg, col: f"{mean(summary[regime][norm][avg][col]):.4f}"
     sc, train, beyond = "sampled, constant", "training lengths", "mean, s = 13..31"
     for fragment in [
@@ -2606,9 +2593,9 @@ def test_notebook_ema_paragraph_matches_the_comparison():
         assert all(b > 3 * e for n, (e, b) in ema_bema.items() if n != "pre")
         assert ema_bema["pre"][1] < ema_bema["pre"][0]
     assert "and is far worse with exact targets, except for `pre`" in notebook
-    cross = {r: summary[r]["crossover"]["ema"] for r in summary}
-    assert (cross["sampled, constant"], cross["sampled, cosine"], cross["exact, constant"],
-            cross["exact, cosine"]) == (20, 22, 31, None)
+    assert [(r, summary[r]["crossover"]["ema"]) for r in summary] == [
+        ("sampled, constant", 20), ("sampled, cosine", 22), ("exact, constant", 31),
+        ("exact, cosine", None)]
 
 
 def test_notebook_tuned_numbers_match_their_json():
@@ -2641,19 +2628,16 @@ def test_notebook_depth_numbers_match_plots_depth2_and_depth4():
             cells[depth, regime] = ", ".join(" / ".join(
                 f"{sum(row[norm]['ema'][c]) / 3:.4f}" for c in ("training lengths", "s = 24 (2 L)"))
                 for norm in ("pre", "pre-final", "post"))
-        runs = {}
+        runs, walls[depth] = {}, record["wall_seconds"]
         for r in record["runs"]:
-            c = r["config"]
-            key = f"{c['norm']}, {c['targets']}, {c['lr_schedule']}"
-            if c["lr"] == record["chosen_lr"][key]:
+            key = "{norm}, {targets}, {lr_schedule}".format(**r["config"])
+            if r["config"]["lr"] == record["chosen_lr"][key]:
                 runs.setdefault(key, []).append(r["ema"])
         for key, ms in runs.items():
-            tvd[depth, key] = [sum(c) / len(c) for c in zip(*[m["tvd"] for m in ms])]
+            tvd[depth, key] = [mean(c) for c in zip(*[m["tvd"] for m in ms])]
             for layer in range(1, layers + 1):
-                dev = [[h - u for h, u in zip(m[f"attn_entropy_layer{layer}"], m["log_positions"])]
-                       for m in ms]
-                entropy[depth, key, layer] = min(sum(d) / len(d) for d in zip(*dev))
-        walls[depth] = record["wall_seconds"]
+                entropy[depth, key, layer] = min(mean(d) for d in zip(*[[h - u for h, u in zip(
+                    m[f"attn_entropy_layer{layer}"], m["log_positions"])] for m in ms]))
     assert (f"--out plots/depth2`: 30 runs, {walls['depth2'] / 60:.0f} min" in notebook
             and f"--out plots/depth4`: 30 runs, {walls['depth4'] / 3600:.1f} h" in notebook)
     sc, ec = "sampled, constant", "exact, cosine"
