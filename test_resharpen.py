@@ -2366,7 +2366,7 @@ def test_the_tables_name_every_flag_that_was_given(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("table", ["compare.md", "long/compare.md", "alternatives.md", "search.md",
-                                   "suite.md", "tuned/compare.md", "depth2/compare.md",
+                                   "suite.md", "tuned/compare.md", "depth1/compare.md", "depth2/compare.md",
                                    "depth4/compare.md", "search_tuned/search.md"])
 def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
                                                                       monkeypatch, capsys):
