@@ -149,16 +149,6 @@ def permutations(n, v, seed=0):
     return torch.argsort(torch.rand(n, v, generator=torch.Generator().manual_seed(seed)), dim=1)
 
 
-def randomize_double(model, seed=0):
-    """float64, weights of size about 0.5, LayerNorm gains and biases away from (1, 0)."""
-    model, g = model.double().eval(), torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
-                    + (1.0 if p.dim() == 1 else 0.0))
-    return model
-
-
 def balanced_margin(row, tokens, tol=1e-10):
     """Unseen minus seen logit of one last-position row, or None if it is not balanced."""
     seen = torch.zeros(row.shape[-1], dtype=torch.bool)
@@ -190,23 +180,28 @@ def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
     return out
 
 
-def balance_equations(v, alpha, B_zero=False):
+def balance_equations(v, alpha=None, B_zero=False, b=None):
     """Lengths 1 and 2 (theory.md 2.1) as a matrix on the unknowns (B, D, m_1, m_2):
     (B[x] + D[x] + m_1 e_x) P = 0, (B[y] + a D[x] + (1 - a) D[y] + m_2 (e_x + e_y)) P = 0,
-    a = alpha[y][x]; with B_zero, also B = 0."""
+    a = alpha[y][x]; with B_zero, also B = 0. With b (Appendix E.3), a BOS token whose score
+    is b above the others (all equal): weights p_s = e^b / (e^b + s) on BOS, q_s = 1 / (e^b + s)
+    on each seen token, unknowns (B, D, D_0, m_1, m_2), and p_s D_0 joins each equation."""
     P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
+    e, k = (0.0, 2 * v * v + 2) if b is None else (math.exp(b), 2 * v * v + v + 2)
+    q1, q2 = 1 / (e + 1), 1 / (e + 2)
+    alpha = alpha or [[q2] * v] * v
 
     def residual(z):
         B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
-        m1, m2 = z[-2], z[-1]
-        rows = [(B[x] + D[x] + m1 * eye[x]) @ P for x in range(v)]
-        rows += [(B[y] + alpha[y][x] * D[x] + (1 - alpha[y][x]) * D[y]
+        D0, m1, m2 = (0.0 if b is None else z[2 * v * v: 2 * v * v + v]), z[-2], z[-1]
+        rows = [(B[x] + e * q1 * D0 + q1 * D[x] + m1 * eye[x]) @ P for x in range(v)]
+        rows += [(B[y] + e * q2 * D0 + alpha[y][x] * D[x] + (1 - e * q2 - alpha[y][x]) * D[y]
                   + m2 * (eye[x] + eye[y])) @ P
                  for x in range(v) for y in range(v) if x != y]
         if B_zero:
             rows.append(B.reshape(-1))
         return torch.cat(rows)
-    return torch.stack([residual(col) for col in torch.eye(2 * v * v + 2, dtype=DT)], dim=1)
+    return torch.stack([residual(col) for col in torch.eye(k, dtype=DT)], dim=1)
 
 
 def null_space(A, tol=1e-9):
@@ -238,6 +233,16 @@ def a_balanced_solution(v, alpha, seed=0):
     return z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[-2].item(), z[-1].item()
 
 
+def width_2v_minus_2(v, delta):
+    """Appendix A's construction, no norm, n = 2v - 2: E[x] = (0, Q[x]); W_V (with W_O = I)
+    copies the second half into the first (value rank v - 1); U = (-delta Q^T; 0), so B = 0."""
+    r, Q = v - 1, ones_complement(v)
+    W_V = torch.zeros(2 * r, 2 * r, dtype=DT)
+    W_V[r:, :r] = torch.eye(r, dtype=DT)
+    return (torch.cat([torch.zeros(v, r, dtype=DT), Q], 1), W_V,
+            torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)]))
+
+
 def margins_with_eps_0(v, norm, gamma=1.0):
     return margins_at_every_length(eps_0(R.hand_built(v, norm, gamma)), v, n_perm=2)
 
@@ -254,32 +259,12 @@ def post_norm_with_values(v, values, norm_cls):
 
 
 def random_one_layer(norm, bos=False, n_layer=1):
-    return randomize_double(R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
-                                            bos=bos, n_layer=n_layer)))
+    return randomize(R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
+                                            bos=bos, n_layer=n_layer)).double())
 
 
 def last(model, seq):
     return model(torch.tensor([seq]))[0, -1]
-
-
-def bos_balance_equations(v, b):
-    """Lengths 1 and 2 with a BOS token whose score is b above the others (all equal):
-    weights p_s = e^b / (e^b + s) on BOS, q_s = 1 / (e^b + s) on each seen token. Unknowns
-    (B, D, D_0, m_1, m_2): (B[x] + p_1 D_0 + q_1 D[x] + m_1 e_x) P = 0 and
-    (B[y] + p_2 D_0 + q_2 (D[x] + D[y]) + m_2 (e_x + e_y)) P = 0."""
-    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
-    e = math.exp(b)
-    p1, q1, p2, q2 = e / (e + 1), 1 / (e + 1), e / (e + 2), 1 / (e + 2)
-
-    def residual(z):
-        B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
-        D0, m1, m2 = z[2 * v * v: 2 * v * v + v], z[-2], z[-1]
-        rows = [(B[x] + p1 * D0 + q1 * D[x] + m1 * eye[x]) @ P for x in range(v)]
-        rows += [(B[y] + p2 * D0 + q2 * (D[x] + D[y]) + m2 * (eye[x] + eye[y])) @ P
-                 for x in range(v) for y in range(v) if x != y]
-        return torch.cat(rows)
-    k = 2 * v * v + v + 2
-    return torch.stack([residual(col) for col in torch.eye(k, dtype=DT)], dim=1)
 
 
 def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
@@ -590,11 +575,12 @@ def test_ema_equals_its_closed_form_weighted_average():
     assert torch.allclose(fresh.shadow[0], thetas[-1])
 
 
-def test_ema_off_is_exactly_the_raw_weights_of_an_ema_run():
+def test_same_seed_gives_same_numbers_and_ema_off_is_exactly_the_raw_weights_of_an_ema_run():
     # The average never feeds back into training, so 'EMA off' needs no separate run.
     cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=20, batch_size=8, device="cpu")
-    plain, _, _ = R.train(cfg, log=lambda *a: None)
-    with_ema, (ema,), _ = R.train(R.replace(cfg, ema=0.9), log=lambda *a: None)
+    plain, _, losses = R.train(cfg, log=lambda *a: None)
+    with_ema, (ema,), ema_losses = R.train(R.replace(cfg, ema=0.9), log=lambda *a: None)
+    assert losses == ema_losses
     for p, q in zip(plain.parameters(), with_ema.parameters()):
         assert torch.equal(p, q)
 
@@ -712,17 +698,14 @@ def test_ema_variance_factor_solves_the_stationary_covariance_equation():
 
 
 @pytest.mark.parametrize("targets", ["sampled", "exact"])
-def test_a_few_hundred_steps_lower_the_loss(targets):
-    cfg = R.Config(vocab=10, train_len=5, n_embd=16, steps=150, batch_size=64,
+def test_a_few_hundred_steps_lower_the_loss_and_the_first_progress_line_comes_early(targets):
+    cfg = R.Config(vocab=10, train_len=5, n_embd=16, steps=160, batch_size=64,
                    targets=targets, norm="post", device="cpu")
-    _, _, losses = R.train(cfg, log=lambda *a: None)
+    lines = []
+    _, _, losses = R.train(cfg, log=lines.append)
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
     assert last < first - 0.1 and last > R.SetComplement(cfg).loss_floor() - 0.05
-
-
-def test_same_seed_gives_same_numbers():
-    cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=20, batch_size=8, device="cpu")
-    assert R.train(cfg, log=lambda *a: None)[2] == R.train(cfg, log=lambda *a: None)[2]
+    assert lines[0].startswith("step    10/160") and len(lines) == 9   # at 10, then every 20
 
 
 def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
@@ -731,13 +714,6 @@ def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
     assert R.learning_rate(cfg, 51) == pytest.approx(0.005)
     assert R.learning_rate(cfg, 101) == pytest.approx(0.0, abs=1e-12)
     assert R.learning_rate(R.replace(cfg, lr_schedule="constant"), 101) == 0.01
-
-
-def test_the_first_progress_line_comes_early():
-    lines = []
-    R.train(R.Config(vocab=6, train_len=3, n_embd=8, steps=160, batch_size=2, device="cpu"),
-            log=lines.append)
-    assert lines[0].startswith("step    10/160") and len(lines) == 9   # at 10, then every 20
 
 # ---- Part 1: evaluation (theory.md, section 2.4) --------------------------------------------
 
@@ -867,11 +843,8 @@ def test_balanced_solutions_have_D_equal_minus_delta_I_up_to_a_common_row_and_ra
     # The value bound: rank(D P) = v - 1.
     v = 5
     P = torch.eye(v, dtype=DT) - 1.0 / v
-    N = null_space(balance_equations(v, [[alpha] * v] * v))
-    z = N @ (N[-1] + 0.3 * N[:, 0] @ N)        # a solution with m_2 != 0, not the simplest
-    z = z / z[-1]                              # m_2 = 1
-    B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
-    delta = 1 / alpha
+    B, D, _, m2 = a_balanced_solution(v, alpha)
+    delta = m2 / alpha
     common_D = (D + delta * torch.eye(v, dtype=DT)) @ P         # every row: d P
     common_B = (B - delta * (1 - 2 * alpha) * torch.eye(v, dtype=DT)) @ P
     assert (common_D - common_D[0]).abs().max() < 1e-9
@@ -965,7 +938,7 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
     # 3 its weights are Lemma A's Omega / (1 + 2 Omega) (Omega = alpha / (1 - alpha) read off
     # length 2), its logits are Theorem 2's -m_1 e_y - delta sum_i a_i (e_(t_i) - e_y), and
     # it is balanced there only for Delta = 0, alpha = 1/2.
-    v = 6
+    v, eye = 6, torch.eye(6, dtype=DT)
     triples = permutations(6, v, seed=3)[:, :3]
     for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
         alphas = length_2_split(pair_score_model(v, Delta), v)
@@ -975,18 +948,13 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
         m = margins_at_every_length(model, v, n_perm=6, up_to=2)
         assert m[0] == pytest.approx(2 * alpha, abs=1e-12)         # m_1 = 2 alpha
         assert m[1] == pytest.approx(alpha, abs=1e-12)             # m_2 = alpha = m_1 / 2
-    for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
-        alpha = length_2_split(pair_score_model(v, Delta), v)[0].item()
-        model = pair_score_model(v, Delta, alpha)
         with torch.no_grad():
             logits, atts = model(triples, return_attn=True)
         omega = alpha / (1 - alpha)
         a = omega / (1 + 2 * omega)                                # Lemma A, each earlier token
         for row, att, t in zip(logits[:, -1], atts[0][:, 0, -1], triples.tolist()):
             assert torch.allclose(att, torch.tensor([a, a, 1 - 2 * a], dtype=DT), atol=1e-12)
-            f = -2 * alpha * torch.eye(v, dtype=DT)[t[2]]          # -m_1 e_y, delta = 1
-            for ai, ti in zip(att.tolist(), t):
-                f = f - ai * (torch.eye(v, dtype=DT)[ti] - torch.eye(v, dtype=DT)[t[2]])
+            f = -2 * alpha * eye[t[2]] - att @ (eye[t] - eye[t[2]])   # -m_1 e_y, delta = 1
             rel = relative_to_unseen(row, t)
             assert torch.allclose(rel, f, atol=1e-12)
             spread = (rel[t[2]] - rel[t[0]]).abs().item()          # last vs an earlier token
@@ -1020,7 +988,7 @@ def test_length_2_splits_determine_the_attention_at_every_length():
     # r(y, x) = alpha_yx / (1 - alpha_yx) read off length 2, and r(y, y) = 1.
     # Random weights, with the input LayerNorm.
     v, n = 7, 8
-    model = randomize_double(R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre")))
+    model = randomize(R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre")).double())
     g = torch.Generator().manual_seed(0)
     pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
     alpha = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
@@ -1095,21 +1063,13 @@ def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
 
 @pytest.mark.parametrize("n_head", [2, 4])
 def test_width_2v_minus_2_construction_is_balanced_at_every_length(n_head):
-    # Minimal model (no norm), n = 2v - 2, total value dimension v - 1 (one head of v - 1, or
-    # two of (v - 1) / 2; the other heads write nothing), W_Q = W_K = 0: E[x] = (0, Q[x]),
-    # the values copy the second half into the first, U reads the first half through
-    # -delta Q^T. B = 0 and the margin is delta / s at every length.
+    # width_2v_minus_2 with W_Q = W_K = 0, its value dimension v - 1 in one head of v - 1 or two
+    # of (v - 1) / 2 (the other heads write nothing): B = 0, margin delta / s at every length.
     v, delta = 5, 1.7
-    n, r = 2 * v - 2, v - 1
-    Q = ones_complement(v)
-    E = torch.cat([torch.zeros(v, r, dtype=DT), Q], dim=1)
-    W_V, W_O = torch.zeros(n, n, dtype=DT), torch.zeros(n, n, dtype=DT)
-    W_V[r:, :r] = torch.eye(r, dtype=DT)          # second half -> value coordinates
-    W_O[:r, :r] = torch.eye(r, dtype=DT)          # value coordinates -> first half
-    U = torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)])
-    model = text_model(E, U, W_V, W_O, n_head=n_head)
+    E, W_V, U = width_2v_minus_2(v, delta)
+    model = text_model(E, U, W_V, torch.eye(2 * v - 2, dtype=DT), n_head=n_head)
     assert (E @ U).abs().max() < 1e-12                               # B = 0
-    assert torch.linalg.matrix_rank(W_V @ W_O).item() == v - 1
+    assert torch.linalg.matrix_rank(W_V).item() == v - 1
     for s, m in enumerate(margins_at_every_length(model, v), start=1):
         assert m == pytest.approx(delta / s, rel=1e-10)
 
@@ -1195,12 +1155,8 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
     # embedding differences has dimension >= v - 1, lies in N = {z : z U P = 0}, and
     # rank(U P) = v - 1, so n = dim N + rank(UP) >= 2v - 2 (here with equality).
     v, delta = 5, 1.3
-    n, r = 2 * v - 2, v - 1
-    Q, P = ones_complement(v), torch.eye(v, dtype=DT) - 1.0 / v
-    E = torch.cat([torch.zeros(v, r, dtype=DT), Q], dim=1)
-    W = torch.zeros(n, n, dtype=DT)
-    W[r:, :r] = torch.eye(r, dtype=DT)
-    U = torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)])
+    n, P = 2 * v - 2, torch.eye(v, dtype=DT) - 1.0 / v
+    E, W, U = width_2v_minus_2(v, delta)
     M = (torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=DT)
          + 2 * torch.eye(n, dtype=DT))
     Mi = torch.linalg.inv(M)
@@ -1297,9 +1253,7 @@ def test_theorem_3_holds_at_its_smallest_width_2v_minus_1():
     # gamma sqrt(n/v) v / sqrt(s (v - s)) at every length (eps = 0), in the Transformer with
     # the 'post' block.
     v, gamma, w = 7, 0.8, 2.5
-    n = 2 * v - 1
-    Q = torch.linalg.qr(torch.eye(v, dtype=DT) - 1.0 / v)[0][:, : v - 1]
-    assert torch.allclose(Q @ Q.T, torch.eye(v, dtype=DT) - 1.0 / v, atol=1e-12)
+    n, Q = 2 * v - 1, ones_complement(v)
     model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm="post")).double()
     with torch.no_grad():
         for p in model.parameters():
@@ -1908,7 +1862,7 @@ def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b
     # -delta' / (e^b + s) 1_t: balanced with margin m_1 (e^b + 1) / (e^b + s).
     v, e = 5, math.exp(b)
     P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
-    N = null_space(bos_balance_equations(v, b))
+    N = null_space(balance_equations(v, b=b))
     assert N[-1].abs().max() > 1e-3
     assert (N[-1] - N[-2] * (e + 1) / (e + 2)).abs().max() < 1e-9
     z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(0), dtype=DT)
