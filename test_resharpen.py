@@ -73,12 +73,6 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
-def layer_norm_by_hand(x, ln):
-    mu = x.mean(-1, keepdim=True)
-    var = ((x - mu) ** 2).mean(-1, keepdim=True)
-    return (x - mu) / torch.sqrt(var + ln.eps) * ln.weight + ln.bias
-
-
 def attention_by_hand(x, attn):
     """One position at a time, one head at a time, with an explicit softmax."""
     (T, C), hs = x.shape, x.shape[1] // attn.n_head
@@ -347,11 +341,13 @@ def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
 
 
 def length_2_split(model, v):
-    """alpha_yx, the weight the last token y puts on x at input (x, y), for every pair."""
+    """alpha[y, x], the weight the last token y puts on x at input (x, y) (head 0); the
+    diagonal 1/2, so that alpha / (1 - alpha) is Lemma A's Omega with Omega(y, y) = 1."""
     pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
+    alpha = torch.full((v, v), 0.5, dtype=DT)
     with torch.no_grad():
-        att = model(pairs, return_attn=True)[1][0]
-    return att[:, 0, 1, 0]
+        alpha[pairs[:, 1], pairs[:, 0]] = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
+    return alpha
 
 
 def margin_c(v, norm, s, gamma, eps):
@@ -529,8 +525,11 @@ def test_each_norm_placement_equals_its_formula(norm):
     model = randomize(R.Transformer(tiny(norm=norm, n_head=2)))
     idx, block = torch.tensor([3, 0, 6, 2, 5]), model.blocks[0]
     x = model.wte.weight[idx]
-    attn = lambda h: attention_by_hand(h, block.attn)
-    ln = lambda h: layer_norm_by_hand(h, block.ln_1)
+    attn = lambda h: attention_by_hand(h, block.attn)  # noqa: E731
+
+    def ln(h, m=block.ln_1):   # by hand, with the module's eps, gain and bias
+        mu, var = h.mean(-1, keepdim=True), h.var(-1, unbiased=False, keepdim=True)
+        return (h - mu) / torch.sqrt(var + m.eps) * m.weight + m.bias
     if norm in ("pre", "pre-final"):
         x = x + attn(ln(x))            # x + Attn(LN(x))
     elif norm == "post":
@@ -538,7 +537,7 @@ def test_each_norm_placement_equals_its_formula(norm):
     else:
         x = ln(x + attn(x))            # LN(x + Attn(x))
     if norm == "pre-final":
-        x = layer_norm_by_hand(x, model.ln_f)
+        x = ln(x, model.ln_f)
     want = x @ model.lm_head.weight.T
     assert torch.allclose(model(idx[None])[0], want, atol=1e-5)
 
@@ -942,8 +941,9 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
     triples = permutations(6, v, seed=3)[:, :3]
     for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
         alphas = length_2_split(pair_score_model(v, Delta), v)
-        alpha = alphas[0].item()
-        assert torch.allclose(alphas, torch.full_like(alphas, alpha), atol=1e-14)
+        alpha = alphas[0, 1].item()
+        assert torch.allclose(alphas, torch.full_like(alphas, alpha).fill_diagonal_(0.5),
+                              atol=1e-14)
         model = pair_score_model(v, Delta, alpha)
         m = margins_at_every_length(model, v, n_perm=6, up_to=2)
         assert m[0] == pytest.approx(2 * alpha, abs=1e-12)         # m_1 = 2 alpha
@@ -989,11 +989,8 @@ def test_length_2_splits_determine_the_attention_at_every_length():
     # Random weights, with the input LayerNorm.
     v, n = 7, 8
     model = randomize(R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre")).double())
-    g = torch.Generator().manual_seed(0)
-    pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
-    alpha = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
-    odds = torch.ones(v, v, dtype=DT)
-    odds[pairs[:, 1], pairs[:, 0]] = alpha / (1 - alpha)
+    g, alpha = torch.Generator().manual_seed(0), length_2_split(model, v)
+    odds = alpha / (1 - alpha)
     perm = permutations(5, v, seed=1)[:, : v - 1]
     att = model(perm, return_attn=True)[1][0][:, 0]                  # (5, T, T)
     for b in range(5):
@@ -1011,8 +1008,7 @@ def test_length_2_splits_determine_the_attention_at_every_length():
     even = text_model(E, torch.zeros(n, v, dtype=DT), torch.eye(n, dtype=DT),
                       torch.eye(n, dtype=DT), W_Q=W_Q, W_K=W_K)
     assert (E @ u.T).abs().min() > 0.05
-    alpha = even(pairs, return_attn=True)[1][0][:, 0, 1, 0]
-    assert torch.allclose(alpha, torch.full_like(alpha, 0.5), atol=1e-12)
+    assert torch.allclose(length_2_split(even, v), torch.full((v, v), 0.5, dtype=DT), atol=1e-12)
     att = even(perm, return_attn=True)[1][0][:, 0]
     for s in range(1, v):
         assert torch.allclose(att[:, s - 1, :s], torch.full((5, s), 1 / s, dtype=DT), atol=1e-12)
@@ -1764,7 +1760,7 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
     probe = pair_score_model(v, Delta, attn_scale="logn")
     with torch.no_grad():
         probe.blocks[0].attn.log_scale.fill_(scale)
-    alpha = length_2_split(probe, v)[0].item()
+    alpha = length_2_split(probe, v)[0, 1].item()
     assert alpha == pytest.approx(1 / (1 + math.exp(scale * math.log(2) * Delta)), rel=1e-12)
     model = pair_score_model(v, Delta, alpha, attn_scale="logn")
     with torch.no_grad():
@@ -1823,14 +1819,10 @@ def test_log_length_scaling_breaks_proportions_and_lemma_a():
         # theory.md quotes these differences: 0.82, 0.018, 0.63, 0.073 (NORMS' order)
         assert (last["logn"][0] - last["logn"][1]).abs().max() > 0.01
     # Lemma A with logn: head 0's weights at length 3 against the odds read at length 2.
-    model = models["logn"]
-    pairs = torch.tensor([(x, y) for x in range(5) for y in range(5) if x != y])
+    model, alpha = models["logn"], length_2_split(models["logn"], 5)
     with torch.no_grad():
-        alpha = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
         att3 = model(torch.tensor([[1, 3, 0]]), return_attn=True)[1][0][0, 0, 2]
-    odds = torch.ones(5, 5, dtype=DT)
-    odds[pairs[:, 1], pairs[:, 0]] = alpha / (1 - alpha)
-    r = odds[0, torch.tensor([1, 3, 0])]
+    r = (alpha / (1 - alpha))[0, [1, 3, 0]]
     assert (att3 - r / r.sum()).abs().max() > 0.01
 
 
@@ -2041,7 +2033,7 @@ def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.isascii()
 
 
-def test_search_statistics_match_brute_force_and_known_values():
+def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
     # Wilson 95 % interval of 8 of 10, from the formula by hand: 0.4902 .. 0.9433.
     assert R.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
     # Exact tests against counting all 2^n sign patterns.
@@ -2065,10 +2057,7 @@ def test_search_statistics_match_brute_force_and_known_values():
     st = R.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
     assert st["sign_p"] == pytest.approx(R.sign_test(4, 4)) == pytest.approx(0.125)
     assert st["wilcoxon_p"] == pytest.approx(0.125) and st["post_wins"] == 4 and st["n"] == 10
-
-
-def test_paired_t_interval_matches_hand_values():
-    # Differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
+    # Paired t interval: differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
     m, lo, hi = R.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
     assert m == 3.0 and hi - m == pytest.approx(2.776 * math.sqrt(2.5 / 5), rel=1e-12)
     assert lo == pytest.approx(3.0 - 1.9630, abs=1e-4)       # by hand: 2.776 x 0.7071
@@ -2123,52 +2112,43 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
     assert m["summary"]["tvd_extrap"] is None and len(m["tvd"]) == 2
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--vocab", "2"], "--vocab"), (["--vocab", "ten"], "--vocab"), (["--vocab", "2000"], "--vocab"),
-    (["--train-len", "0"], "--train-len"), (["--vocab", "8", "--train-len", "8"], "--train-len"),
-    (["--ema", "1"], "--ema"), (["--ema", "-0.1"], "--ema"), (["--steps", "0"], "--steps"),
-    (["--batch-size", "-3"], "--batch-size"), (["--lr", "0"], "--lr"), (["--lr", "nan"], "--lr"),
-    (["--n-embd", "10", "--n-head", "3"], "--n-head"), (["--norm", "middle"], "--norm"),
-    (["--targets", "soft"], "--targets"), (["--task", "dyck", "--compare"], "--task"),
-    (["--compare", "--suite"], "--suite"), (["--resume"], "--resume"),
-    (["--theory", "--resume"], "--resume"), (["--compare", "--vocab", "8", "--train-len", "4"],
-                                             "--train-len"),
-    (["--save", "SAVE/sub/"], "--save"), (["--save", ""], "--save"),
-    (["--save", "SAVE/m.pt", "--theory"], "--save"), (["--save", "/proc/nope/ck.pt"], "--save"),
-    (["--save", "SAVE"], "--save"),                            # an existing folder
-    (["--save", "SAVE/o", "--out", "SAVE/o"], "--save"),       # the folder --out makes
-    (["--save", "SAVE/new/metrics.json"], "--save"),           # a file the run writes
-    (["--save", "SAVE/o/length.png", "--out", "SAVE/o"], "--save"),
-    (["--out", "SAVE/" + "x" * 300], "--out"),                 # a name too long
-    (["--seed", "-1"], "--seed"), (["--seed", str(2**64)], "--seed"),
-    (["--n-layer", "100000"], "--n-layer"), (["--batch-size", "10000000"], "--batch-size"),
-    (["--vocab", "1024", "--train-len", "1023"], "--batch-size"),   # the memory estimate
-    (["--vocab", "1024", "--train-len", "100", "--n-embd", "1", "--targets", "exact",
-      "--batch-size", "4387"], "--batch-size"),                    # exact targets' tensors
-    (["--n-embd", "2048", "--n-layer", "16", "--mlp", "--batch-size", "1"], "--batch-size"),
-    (["--task", "dyck", "--train-len", "256", "--n-layer", "16", "--n-head", "64",
-      "--batch-size", "1"], "--batch-size"),                       # its evaluation's attention
-    (["--task", "dyck", "--train-len", "1000"], "--train-len"),
-    (["--task", "dyck", "--vocab", "9"], "--vocab"), (["--theory", "--steps", "5"], "--steps"),
-    (["--compare", "--post-norm"], "--norm"), (["--suite", "--vocab", "9"], "--vocab"),
-    (["--ste", "5"], "--ste"),                   # no abbreviations: one spelling per flag
-    (["--norm", "pre", "--post-norm"], "--post-norm"), (["--ema", "0.9", "--bema"], "--bema"),
-    (["--attn-scale", "cubic"], "--attn-scale"),
-    (["--dropout", "0.1"], "--dropout"),         # not a flag: no documented command used it
-    (["--search", "0"], "--search"), (["--search", "4", "--vocab", "8"], "--vocab"),
-    (["--lrs", "0.1,2"], "--lrs"), (["--lrs", "0.1"], "--lrs"),   # a single run: --lr
-    (["--compare", "--norms", "pre,middle"], "--norms"),
-    (["--compare", "--regimes", "sampled/linear"], "--regimes"),
-    (["--suite", "--train-len", "1024"], "--train-len"),       # the suite's own limit
-    (["--theory", "--vocab", "1024", "--train-len", "900"], "--vocab"),
-    (["--device", "mps" if torch.cuda.is_available() else "cuda"], "--device"),   # none here
-])
-def test_bad_input_exits_2_with_one_line_before_training(argv, flag, capsys, tmp_path):
-    if "/proc/" in " ".join(argv) and not os.path.isdir("/proc"):
+BAD_INPUT = [   # argv, and after " | " the flag its one line names where that is not argv[0]
+    "--vocab 2", "--vocab ten", "--vocab 2000", "--train-len 0", "--ema 1", "--ema -0.1",
+    "--vocab 8 --train-len 8 | --train-len", "--steps 0", "--batch-size -3", "--lr 0", "--lr nan",
+    "--n-embd 10 --n-head 3 | --n-head", "--norm middle", "--targets soft", "--task dyck --compare",
+    "--compare --suite | --suite", "--resume", "--theory --resume | --resume",
+    "--compare --vocab 8 --train-len 4 | --train-len", "--save SAVE/sub/", "--save ''",
+    "--save SAVE/m.pt --theory", "--save /proc/nope/ck.pt",
+    "--save SAVE",                                      # an existing folder
+    "--save SAVE/o --out SAVE/o",                       # the folder --out makes
+    "--save SAVE/new/metrics.json", "--save SAVE/o/length.png --out SAVE/o",   # files it writes
+    f"--out SAVE/{'x' * 300}",                          # a name too long
+    "--seed -1", f"--seed {2**64}", "--n-layer 100000", "--batch-size 10000000",
+    # the memory estimate: the model's, exact targets' tensors, Dyck's evaluation's attention
+    "--vocab 1024 --train-len 1023 | --batch-size",
+    "--n-embd 2048 --n-layer 16 --mlp --batch-size 1 | --batch-size",
+    "--vocab 1024 --train-len 100 --n-embd 1 --targets exact --batch-size 4387 | --batch-size",
+    "--task dyck --train-len 256 --n-layer 16 --n-head 64 --batch-size 1 | --batch-size",
+    "--task dyck --train-len 1000 | --train-len", "--task dyck --vocab 9 | --vocab",
+    "--theory --steps 5 | --steps", "--compare --post-norm | --norm", "--suite --vocab 9 | --vocab",
+    "--ste 5",                                          # no abbreviations: one spelling per flag
+    "--norm pre --post-norm | --post-norm", "--ema 0.9 --bema | --bema", "--attn-scale cubic",
+    "--dropout 0.1",                                    # not a flag: no documented command used it
+    "--search 0", "--search 4 --vocab 8 | --vocab", "--lrs 0.1,2",
+    "--lrs 0.1",                                        # a single run: --lr
+    "--compare --norms pre,middle | --norms", "--compare --regimes sampled/linear | --regimes",
+    "--suite --train-len 1024 | --train-len",           # the suite's own limit
+    "--theory --vocab 1024 --train-len 900 | --vocab",
+    f"--device {'mps' if torch.cuda.is_available() else 'cuda'}"]   # none here
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line_before_training(case, capsys, tmp_path):
+    if "/proc/" in case and not os.path.isdir("/proc"):
         pytest.skip("no /proc here")
-    out = tmp_path / "new"
-    argv = [a.replace("SAVE", str(tmp_path)) for a in argv]
-    expect_exit_2(argv + ["--out", str(out)] * ("--out" not in argv), flag, capsys)
+    out, (argv, _, flag) = tmp_path / "new", case.partition(" | ")
+    argv = [a.replace("SAVE", str(tmp_path)) for a in shlex.split(argv)]
+    expect_exit_2(argv + ["--out", str(out)] * ("--out" not in argv), flag or argv[0], capsys)
     assert not out.exists()                      # a rejected run creates nothing
 
 
@@ -2300,21 +2280,16 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
     assert stopped.value.code == 1 and capsys.readouterr().err == ""
 
 
-def test_suite_honours_the_model_flags_it_is_given(monkeypatch, tmp_path):
+def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(R, "suite", lambda cfg, out, command, **kw: seen.update(kw))
     R.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
     assert seen == {"steps": 5, "lr": 0.01}
-    cfgs = R.suite_grid(R.Config(), **seen)
-    assert {(c.steps, c.lr, c.vocab) for c in cfgs} == {(5, 0.01, 5)}
-
-
-def test_the_tables_name_every_flag_that_was_given(monkeypatch, tmp_path):
-    seen = []
-    monkeypatch.setattr(R, "compare", lambda base, out, command, *a: seen.append(command))
+    assert {(c.steps, c.lr, c.vocab) for c in R.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
+    monkeypatch.setattr(R, "compare", lambda base, out, command, *a: seen.update(cmd=command))
     R.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
             "--out", str(tmp_path)])
-    assert seen == ["python resharpen.py --compare --bos --n-head 2 --attn-scale logn --mlp"]
+    assert seen["cmd"] == "python resharpen.py --compare --bos --n-head 2 --attn-scale logn --mlp"
 
 # ---- the README and theory.md quote the committed files -------------------------------------
 
