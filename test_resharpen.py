@@ -116,16 +116,16 @@ def ones_complement(v):
     return Q
 
 
-def text_model(E, U, W_V, W_O, W_Q=None, W_K=None, n_head=1, input_ln=False,
+def text_model(E, U, W_V, W_O=None, W_Q=None, W_K=None, n_head=1, input_ln=False,
                bos=False, attn_scale="none"):
     """The script's one-layer Transformer ('pre' block) holding theory.md's row-vector
-    matrices: E (v, n), W_Q, W_K, W_V, W_O (n, n; heads side by side), U (n, v). nn.Linear
-    stores (out, in), the transpose of the text's (in, out). Without input_ln the block's
-    LayerNorm is replaced by the identity: the minimal model x + Attn(x) of section 1.
-    With bos, E has one more row, BOS's."""
-    v_rows, n = E.shape
-    v, zero = v_rows - bos, torch.zeros(n, n, dtype=DT)
+    matrices: E (v, n), W_Q, W_K (default 0), W_V, W_O (default I) (n, n; heads side by side),
+    U (n, v). nn.Linear stores (out, in), the transpose of the text's (in, out). Without
+    input_ln the block's LayerNorm is replaced by the identity: the minimal model x + Attn(x)
+    of section 1. With bos, E has one more row, BOS's."""
+    (v_rows, n), zero = E.shape, torch.zeros(E.shape[1], E.shape[1], dtype=DT)
     W_Q, W_K = zero if W_Q is None else W_Q, zero if W_K is None else W_K
+    W_O, v = torch.eye(n, dtype=DT) if W_O is None else W_O, v_rows - bos
     model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
                                    bos=bos, attn_scale=attn_scale)).double()
     with torch.no_grad():
@@ -164,8 +164,7 @@ def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
     """For s = 1 .. v-1 (or up_to): the margin (unseen minus seen logit), after checking that
     the logits are balanced (all seen equal, all unseen equal) on n_perm random inputs."""
     perm = permutations(n_perm, v, seed)[:, : v - 1]
-    with torch.no_grad():
-        logits = model(perm)
+    logits = model(perm)
     out = []
     for s in range(1, (up_to or v - 1) + 1):
         ms = [balanced_margin(logits[b, s - 1], perm[b, :s].tolist()) for b in range(n_perm)]
@@ -216,13 +215,10 @@ def uneven_split_model(v, b, m2=1.0):
     return text_model(Q, nu * Q.T, eye, mu * eye, W_Q=b * math.sqrt(n) * eye, W_K=eye), mu, nu
 
 
-
-
 def a_balanced_solution(v, alpha, seed=0):
     """A solution (B, D, m_1, m_2) of the balance equations with m_2 = 1, not the simplest."""
     N = null_space(balance_equations(v, [[alpha] * v] * v))
-    g = torch.Generator().manual_seed(seed)
-    z = N @ torch.randn(N.shape[1], generator=g, dtype=DT)
+    z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(seed), dtype=DT)
     z = z / z[-1]
     return z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[-2].item(), z[-1].item()
 
@@ -267,8 +263,7 @@ def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
     flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token (not read)."""
     n, eye = 2 * v + 2, torch.eye(v, dtype=DT)
     d, E = torch.linspace(-1, 1, v, dtype=DT) ** 2, torch.zeros(v + 1, n, dtype=DT)
-    E[:, 0] = 1.0
-    E[v, 1] = 1.0
+    E[:, 0] = E[v, 1] = 1.0                           # constant, BOS flag
     E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
     W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
     W_Q[0, 0] = b * math.sqrt(n)                      # every query (1, 0, ..)
@@ -280,17 +275,16 @@ def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
     U = torch.zeros(n, v, dtype=DT)
     U[2:v + 2] = eye
     U[0] = -d                                         # B = -d
-    return text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, bos=True, attn_scale=attn_scale)
+    return text_model(E, U, W_V, None, W_Q, W_K, bos=True, attn_scale=attn_scale)
 
 
-def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
+def fit_lengths_1_2(v, n, h, steps=1500, seed=0):
     """theory.md, Appendix A: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
-    attention, no norm), with B = E U and D = E W_V W_O U of the given widths, to balanced
+    attention, no norm), with B = E U and D = E W_V W_O U (widths n, h), to balanced
     logits at lengths 1 and 2 with m_1 = 2, m_2 = 1: -2 e_x for (x), -(e_x + e_y) for
     (x, y), each up to a constant. Returns the root-mean-square residual (Adam, cosine
     decay). It assumes the even split and m_1 = 2 m_2."""
     g = torch.Generator().manual_seed(seed)
-    v, n, h = vocab, n_embd, head_dim
     init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()  # noqa
     E, W_V, W_O, U = init(v, n), init(n, h), init(h, n), init(n, v)
     eye = torch.eye(v)
@@ -313,8 +307,7 @@ def fit_lengths_1_2(vocab, n_embd, head_dim, steps=1500, seed=0):
 def relative_to_unseen(row, tokens):
     """Last-position logits minus the unseen tokens' logit (after checking that all unseen
     tokens share one logit): a vector that is 0 off the input."""
-    v = row.shape[-1]
-    unseen = [x for x in range(v) if x not in tokens]
+    unseen = [x for x in range(row.shape[-1]) if x not in tokens]
     assert (row[unseen] - row[unseen[0]]).abs().max() < 1e-10
     return row - row[unseen[0]]
 
@@ -325,19 +318,14 @@ def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
     U reads the first half with -1 (D = -I, delta = 1) and the second with 1 - 2 alpha
     (B = (1 - 2 alpha) I): Theorem 1's balanced solution at lengths 1 and 2 for split alpha
     (m_1 = 2 alpha, m_2 = alpha). With alpha None, U = 0 (to measure the split first)."""
-    n = 2 * v
-    eye, Z = torch.eye(v, dtype=DT), torch.zeros(n, n, dtype=DT)
-    E = torch.zeros(v, n, dtype=DT)
-    E[:, v:] = eye
-    W_Q, W_K, W_V = Z.clone(), Z.clone(), Z.clone()
+    n, eye = 2 * v, torch.eye(v, dtype=DT)
+    E = torch.cat([0 * eye, eye], 1)
+    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
     W_Q[v:, v:] = Delta * math.sqrt(n) * eye      # q.k / sqrt(n) = Delta [x = y]
     W_K[v:, v:] = eye
     W_V[v:, :v] = eye                             # value of x: e_x in the first half
-    U = torch.zeros(n, v, dtype=DT)
-    if alpha is not None:
-        U[:v] = -eye
-        U[v:] = (1 - 2 * alpha) * eye
-    return text_model(E, U, W_V, torch.eye(n, dtype=DT), W_Q, W_K, attn_scale=attn_scale)
+    U = torch.cat([-eye, (1 - 2 * alpha) * eye]) if alpha is not None else 0 * E.T
+    return text_model(E, U, W_V, None, W_Q, W_K, attn_scale=attn_scale)
 
 
 def length_2_split(model, v):
@@ -801,8 +789,7 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
     target, losses = task.target(idx, dtype=DT), []
     for gamma in (0.5, 1.0, 2.0, 4.0, 8.0):
         model = R.hand_built(v, "pre", gamma)
-        with torch.no_grad():
-            logits = model(idx)
+        logits = model(idx)
         ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)     # (B, T)
         row = []
         for s in range(1, v):
@@ -900,8 +887,7 @@ def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
     alpha, model = 1 / (1 + math.exp(b)), uneven_split_model(v, b, m2)[0]
     eye = torch.eye(v, dtype=DT)
     P, perm = eye - 1.0 / v, permutations(3, v)[:, : v - 1]
-    with torch.no_grad():
-        logits, atts = model(perm, return_attn=True)
+    logits, atts = model(perm, return_attn=True)
     delta, m1 = m2 / alpha, 2 * m2
     for bi in range(3):
         for s in range(1, v):
@@ -948,8 +934,7 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
         m = margins_at_every_length(model, v, n_perm=6, up_to=2)
         assert m[0] == pytest.approx(2 * alpha, abs=1e-12)         # m_1 = 2 alpha
         assert m[1] == pytest.approx(alpha, abs=1e-12)             # m_2 = alpha = m_1 / 2
-        with torch.no_grad():
-            logits, atts = model(triples, return_attn=True)
+        logits, atts = model(triples, return_attn=True)
         omega = alpha / (1 - alpha)
         a = omega / (1 + 2 * omega)                                # Lemma A, each earlier token
         for row, att, t in zip(logits[:, -1], atts[0][:, 0, -1], triples.tolist()):
@@ -1005,8 +990,7 @@ def test_length_2_splits_determine_the_attention_at_every_length():
     u = torch.randn(1, n, generator=g, dtype=DT)
     W_Q, W_K = torch.zeros(n, n, dtype=DT), torch.zeros(n, n, dtype=DT)
     W_Q[:, 0], W_K[:, 0] = math.sqrt(n) * u[0], w[0]     # score(y, x) = (E[y] u^T)(E[x] w^T)
-    even = text_model(E, torch.zeros(n, v, dtype=DT), torch.eye(n, dtype=DT),
-                      torch.eye(n, dtype=DT), W_Q=W_Q, W_K=W_K)
+    even = text_model(E, torch.zeros(n, v, dtype=DT), torch.eye(n, dtype=DT), W_Q=W_Q, W_K=W_K)
     assert (E @ u.T).abs().min() > 0.05
     assert torch.allclose(length_2_split(even, v), torch.full((v, v), 0.5, dtype=DT), atol=1e-12)
     att = even(perm, return_attn=True)[1][0][:, 0]
@@ -1063,7 +1047,7 @@ def test_width_2v_minus_2_construction_is_balanced_at_every_length(n_head):
     # of (v - 1) / 2 (the other heads write nothing): B = 0, margin delta / s at every length.
     v, delta = 5, 1.7
     E, W_V, U = width_2v_minus_2(v, delta)
-    model = text_model(E, U, W_V, torch.eye(2 * v - 2, dtype=DT), n_head=n_head)
+    model = text_model(E, U, W_V, n_head=n_head)
     assert (E @ U).abs().max() < 1e-12                               # B = 0
     assert torch.linalg.matrix_rank(W_V).item() == v - 1
     for s, m in enumerate(margins_at_every_length(model, v), start=1):
@@ -1134,7 +1118,7 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
     shift[1] = 1.0                                  # b_1 K^T
     G = b[1:v].T @ sol[:-1] + b[0][:, None] * (sol[-1] - shift)[None, :]   # bias b_0 -> k - shift
     W_V = G @ K
-    model = text_model(E, U, W_V, torch.eye(n, dtype=DT), input_ln=True)
+    model = text_model(E, U, W_V, input_ln=True)
     with torch.no_grad():
         model.blocks[0].ln_1.bias.copy_(b[0])
     assert torch.linalg.matrix_rank(W_V).item() == v - 1
@@ -1157,7 +1141,7 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
          + 2 * torch.eye(n, dtype=DT))
     Mi = torch.linalg.inv(M)
     E2, W2, U2 = E @ M, Mi @ W @ M, Mi @ U
-    model = text_model(E2, U2, W2, torch.eye(n, dtype=DT))
+    model = text_model(E2, U2, W2)
     m = margins_at_every_length(model, v)
     assert m[0] == pytest.approx(delta) and m[1] == pytest.approx(delta / 2)
     diffs = E2[1:] - E2[0]
@@ -1183,16 +1167,14 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
     delta, Q = 1.7, ones_complement(v)
     eye = torch.eye(v - 1, dtype=DT)
     model, perm = text_model(Q, -delta * Q.T, eye, eye), permutations(3, v)[:, : v - 1]
-    with torch.no_grad():
-        attn_out, _ = model.blocks[0].attn(model.wte(perm))
-        logits = attn_out @ model.lm_head.weight.T          # U reads the attention output only
+    attn_out, _ = model.blocks[0].attn(model.wte(perm))
+    logits = attn_out @ model.lm_head.weight.T          # U reads the attention output only
     for b in range(3):
         for s in range(1, v):
             m = balanced_margin(logits[b, s - 1], perm[b, :s].tolist())
             assert m == pytest.approx(delta / s, rel=1e-10)
     # with the residual path the same weights are not balanced at length 2 (B = -delta P)
-    with torch.no_grad():
-        full = model(perm)
+    full = model(perm)
     assert balanced_margin(full[0, 1], perm[0, :2].tolist()) is None
 
 # ---- theory.md, section 4 and Appendices B, C: a norm that sees the average -----------------
@@ -1489,8 +1471,7 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     v, train_len, eps = 32, 12, 1e-5
     n, model = 2 * v, R.hand_built(v, "pre-final")
     perm = permutations(3, v)[:, : v - 1]
-    with torch.no_grad():
-        x = model.blocks[0](model.wte(perm))[0]       # the residual stream before ln_f
+    x = model.blocks[0](model.wte(perm))[0]       # the residual stream before ln_f
     var_1 = (n - 1) / n**2 + eps
     for s in range(1, v):
         emb, avg = x[:, s - 1, v:].pow(2).sum(-1), x[:, s - 1, :v].pow(2).sum(-1)
@@ -1766,8 +1747,7 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
     with torch.no_grad():
         model.blocks[0].attn.log_scale.fill_(scale)
     perm = permutations(3, v, seed=1)[:, : v - 1]
-    with torch.no_grad():
-        logits, atts = model(perm, return_attn=True)
+    logits, atts = model(perm, return_attn=True)
     eye = torch.eye(v, dtype=DT)
     for b in range(3):
         for s in range(1, v):
@@ -1820,8 +1800,7 @@ def test_log_length_scaling_breaks_proportions_and_lemma_a():
         assert (last["logn"][0] - last["logn"][1]).abs().max() > 0.01
     # Lemma A with logn: head 0's weights at length 3 against the odds read at length 2.
     model, alpha = models["logn"], length_2_split(models["logn"], 5)
-    with torch.no_grad():
-        att3 = model(torch.tensor([[1, 3, 0]]), return_attn=True)[1][0][0, 0, 2]
+    att3 = model(torch.tensor([[1, 3, 0]]), return_attn=True)[1][0][0, 0, 2]
     r = (alpha / (1 - alpha))[0, [1, 3, 0]]
     assert (att3 - r / r.sum()).abs().max() > 0.01
 
@@ -1882,8 +1861,7 @@ def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(delta / (e + s), rel=1e-10)
         assert ms == pytest.approx(m[0] * (e + 1) / (e + s), rel=1e-10)
-    with torch.no_grad():
-        _, atts = model(permutations(1, v)[:, : v - 1], return_attn=True)
+    _, atts = model(permutations(1, v)[:, : v - 1], return_attn=True)
     for s in range(1, v):
         assert atts[0][0, 0, s - 1, 0].item() == pytest.approx(e / (e + s), rel=1e-10)
 
