@@ -127,12 +127,11 @@ def text_model(E, U, W_V, W_O=None, W_Q=None, W_K=None, n_head=1, input_ln=False
     W_Q, W_K = zero if W_Q is None else W_Q, zero if W_K is None else W_K
     W_O, v = torch.eye(n, dtype=DT) if W_O is None else W_O, v_rows - bos
     model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
-                                   bos=bos, attn_scale=attn_scale)).double()
-    with torch.no_grad():
-        model.wte.weight.copy_(E)
-        model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
-        model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
-        model.lm_head.weight.copy_(U.T)
+                                   bos=bos, attn_scale=attn_scale)).double().requires_grad_(False)
+    model.wte.weight.copy_(E)
+    model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
+    model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
+    model.lm_head.weight.copy_(U.T)
     if not input_ln:
         model.blocks[0].ln_1 = torch.nn.Identity()
     return model.eval()
@@ -576,14 +575,12 @@ def test_sampled_gradient_covariance_is_diag_p_minus_p_p():
     # theory.md, section 5: the gradient of -log q_y w.r.t. the logits is q - e_y; with y ~ p*
     # its mean is q - p* and its covariance diag(p*) - p* p*^T, of trace 1 - 1/k.
     v, k, n = 6, 4, 200000
-    p = torch.zeros(v, dtype=torch.double)
-    p[:k] = 1 / k
+    p = torch.tensor([1 / k] * k + [0.0] * (v - k), dtype=DT)
     logits = torch.randn(v, dtype=torch.double, requires_grad=True)
     y = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(0))
     q = logits.softmax(-1).detach()
     grads = q - F.one_hot(y, v).double()            # the closed-form gradient, checked below
-    loss = F.cross_entropy(logits.expand(3, v), y[:3], reduction="sum")
-    loss.backward()
+    F.cross_entropy(logits.expand(3, v), y[:3], reduction="sum").backward()
     assert torch.allclose(logits.grad, grads[:3].sum(0))
     cov = torch.cov(grads.T)
     assert torch.allclose(grads.mean(0), q - p, atol=0.01)
@@ -597,13 +594,11 @@ def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
     # V (1 - d) / (1 + d) * (1 + d rho) / (1 - d rho), rho = 1 - eta h.
     eta, h, sigma, d, chains, steps = 0.1, 1.0, 1.0, 0.95, 4000, 1500
     g = torch.Generator().manual_seed(0)
-    box = torch.nn.Linear(chains, 1, bias=False)   # its weight: one theta per chain
-    with torch.no_grad():
-        box.weight.zero_()
+    box = torch.nn.Linear(chains, 1, bias=False).requires_grad_(False)   # one theta per chain
+    box.weight.zero_()
     ema = R.EMA(box, d)
     for _ in range(steps):
-        with torch.no_grad():
-            box.weight -= eta * (h * box.weight + sigma * torch.randn(1, chains, generator=g))
+        box.weight -= eta * (h * box.weight + sigma * torch.randn(1, chains, generator=g))
         ema.update(box)
     V, rho = eta * sigma**2 / (h * (2 - eta * h)), 1 - eta * h
     V_ema = V * (1 - d) / (1 + d) * (1 + d * rho) / (1 - d * rho)
@@ -625,10 +620,7 @@ def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_sm
         for _ in range(steps):
             theta = theta - eta * (lam * theta + sigma * torch.randn(chains, generator=g, dtype=DT))
         return theta
-
-    def exact(eta):
-        return eta * sigma**2 / (lam * (2 - eta * lam))
-
+    exact = lambda eta: eta * sigma**2 / (lam * (2 - eta * lam))  # noqa: E731
     for eta, steps in [(0.5, 60), (0.75, 100), (0.9, 200)]:       # eta lam = 1, 1.5, 1.8
         V = simulate(eta, steps).var().item()
         assert V == pytest.approx(exact(eta), rel=0.05)
@@ -643,7 +635,7 @@ def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_sm
 
 
 def test_sgd_iterates_have_the_ar1_covariance_v_rho_to_the_lag():
-    # NEW. Section 5: theta_(j+1) = rho theta_j - eta xi_j, xi_j independent (variance
+    # Section 5: theta_(j+1) = rho theta_j - eta xi_j, xi_j independent (variance
     # sigma^2), theta_0 of the stationary variance V and independent of the xi: each theta_k
     # is a linear combination of the independent theta_0, xi_0, xi_1, ..; built here by
     # running the recursion on coefficient vectors, its exact covariances are
@@ -668,8 +660,7 @@ def test_ema_variance_factor_solves_the_stationary_covariance_equation():
     # are V and V (1 - w)/(1 + w) (1 + w rho)/(1 - w rho), rho = 1 - eta lam, w the EMA decay:
     # 0.0905 V at eta lam = 0.01, w = 0.999.
     for eta_lam, w in [(0.01, 0.999), (0.1, 0.95), (1.5, 0.5)]:
-        eta, lam, sigma = eta_lam, 1.0, 1.0
-        rho = 1 - eta * lam
+        eta, lam, sigma, rho = eta_lam, 1.0, 1.0, 1 - eta_lam
         A = torch.tensor([[rho, 0.0], [(1 - w) * rho, w]], dtype=DT)
         b = torch.tensor([[-eta], [-(1 - w) * eta]], dtype=DT)
         S = torch.linalg.solve(torch.eye(4, dtype=DT) - torch.kron(A, A),
@@ -1119,8 +1110,7 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
     G = b[1:v].T @ sol[:-1] + b[0][:, None] * (sol[-1] - shift)[None, :]   # bias b_0 -> k - shift
     W_V = G @ K
     model = text_model(E, U, W_V, input_ln=True)
-    with torch.no_grad():
-        model.blocks[0].ln_1.bias.copy_(b[0])
+    model.blocks[0].ln_1.bias.copy_(b[0])
     assert torch.linalg.matrix_rank(W_V).item() == v - 1
     BP = E @ U - (E @ U).mean(-1, keepdim=True)
     assert (BP - BP[0]).abs().max() < 1e-12                       # B carries no information
@@ -1224,23 +1214,21 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
 
 
 def test_theorem_3_holds_at_its_smallest_width_2v_minus_1():
-    # NEW. Theorem 3's hypotheses need n >= 2v - 1 (the embeddings lie in the n - v features
-    # U does not read, and W_V W_O maps them onto values spanning v - 1 dimensions); at
-    # n = 2v - 1 they hold: E = Q (orthonormal columns orthogonal to 1) in the last v - 1
-    # features, W_V W_O = w Q^T into the first v, U = -gamma on those. Margin
-    # gamma sqrt(n/v) v / sqrt(s (v - s)) at every length (eps = 0), in the Transformer with
-    # the 'post' block.
+    # Theorem 3's hypotheses need n >= 2v - 1 (the embeddings lie in the n - v features U
+    # does not read, and W_V W_O maps them onto values spanning v - 1 dimensions); at n = 2v - 1
+    # they hold: E = Q (orthonormal columns orthogonal to 1) in the last v - 1 features,
+    # W_V W_O = w Q^T into the first v, U = -gamma on those. Margin
+    # gamma sqrt(n/v) v / sqrt(s (v - s)) at every length (eps = 0), in the 'post' Transformer.
     v, gamma, w = 7, 0.8, 2.5
     n, Q = 2 * v - 1, ones_complement(v)
-    model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, n_layer=1, norm="post")).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.zero_()
-        model.wte.weight[:, v:] = Q
-        model.blocks[0].attn.c_attn.weight[2 * n:3 * n][:v, v:] = w * Q   # value: w Q[x] Q^T
-        model.blocks[0].attn.c_proj.weight.copy_(torch.eye(n, dtype=DT))
-        model.lm_head.weight[:, :v] = -gamma * torch.eye(v, dtype=DT)
+    model = R.Transformer(R.Config(vocab=v, n_embd=n, norm="post")).double().requires_grad_(False)
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.zero_()
+    model.wte.weight[:, v:] = Q
+    model.blocks[0].attn.c_attn.weight[2 * n:3 * n][:v, v:] = w * Q   # value: w Q[x] Q^T
+    model.blocks[0].attn.c_proj.weight.copy_(torch.eye(n, dtype=DT))
+    model.lm_head.weight[:, :v] = -gamma * torch.eye(v, dtype=DT)
     m = margins_at_every_length(eps_0(model.eval()), v, n_perm=4)
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s)),
@@ -1739,13 +1727,11 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
     # Pre-Norm model with query-only scores keeps margin m_1 / s = predicted_margin.
     v, Delta, scale = 6, 0.9, 0.8
     probe = pair_score_model(v, Delta, attn_scale="logn")
-    with torch.no_grad():
-        probe.blocks[0].attn.log_scale.fill_(scale)
+    probe.blocks[0].attn.log_scale.fill_(scale)
     alpha = length_2_split(probe, v)[0, 1].item()
     assert alpha == pytest.approx(1 / (1 + math.exp(scale * math.log(2) * Delta)), rel=1e-12)
     model = pair_score_model(v, Delta, alpha, attn_scale="logn")
-    with torch.no_grad():
-        model.blocks[0].attn.log_scale.fill_(scale)
+    model.blocks[0].attn.log_scale.fill_(scale)
     perm = permutations(3, v, seed=1)[:, : v - 1]
     logits, atts = model(perm, return_attn=True)
     eye = torch.eye(v, dtype=DT)
@@ -1877,9 +1863,8 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
     eye, perm = torch.eye(v, dtype=DT), permutations(3, v, seed=2)[:, : v - 1]
     for Delta in (0.0, 0.7):
         model = bos_sink_model(v, b, delta, Delta, attn_scale="logn")
-        with torch.no_grad():
-            model.blocks[0].attn.log_scale.fill_(0.8)
-            logits, atts = model(perm, return_attn=True)
+        model.blocks[0].attn.log_scale.fill_(0.8)
+        logits, atts = model(perm, return_attn=True)
         for k in range(3):
             for s in range(1, v):
                 t = perm[k, :s].tolist()
