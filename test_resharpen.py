@@ -607,11 +607,10 @@ def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
 
 
 def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_small_steps():
-    # theta <- theta - eta (lam theta + xi), Var xi = sigma^2: stationary variance
-    # V = eta sigma^2 / (lam (2 - eta lam)) for 0 < eta lam < 2. At eta lam = 1 and 1.5 the
-    # exact factor is 2 and 4 times the small-step approximation eta sigma^2 / (2 lam), so
-    # a 5 % tolerance tells them apart; for eta lam << 1 V / eta -> sigma^2 / (2 lam); above 2
-    # the iterates diverge.
+    # theta <- theta - eta (lam theta + xi), Var xi = sigma^2: stationary variance V = eta sigma^2
+    # / (lam (2 - eta lam)) for 0 < eta lam < 2. At eta lam = 1 and 1.5 the exact factor is 2 and 4
+    # times the small-step approximation eta sigma^2 / (2 lam), so a 5 % tolerance tells them
+    # apart; for eta lam << 1 V / eta -> sigma^2 / (2 lam); above 2 the iterates diverge.
     lam, sigma, chains = 2.0, 0.5, 10000
     g = torch.Generator().manual_seed(0)
 
@@ -697,13 +696,12 @@ def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
 
 
 def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
-    # The oracle has zero TVD, invalid mass and KL;
-    # evaluate's attn_entropy is the mean over heads and layers of each head's entropy:
-    # uniform attention over s positions has entropy log s (section 3), attention on one
-    # position 0. With several heads and layers: all uniform gives log s (a sum over heads
-    # would give 3 log s); heads (self, uniform, uniform) give 2/3 log s (neither the first
-    # head, 0, nor the largest, log s); two layers (uniform; self) give 1/2 log s overall and
-    # log s, 0 per layer.
+    # The oracle has zero TVD, invalid mass and KL; evaluate's attn_entropy is the mean over heads
+    # and layers of each head's entropy: uniform attention over s positions has entropy log s
+    # (section 3), attention on one position 0. With several heads and layers: all uniform gives
+    # log s (a sum over heads would give 3 log s); heads (self, uniform, uniform) give 2/3 log s
+    # (neither the first head, 0, nor the largest, log s); two layers (uniform; self) give 1/2 log
+    # s overall and log s, 0 per layer.
     v = 9
     cases = [([["uniform"] * 3], 1.0), ([["self", "uniform", "uniform"]], 2 / 3),
              ([["uniform"] * 3, ["self"] * 3], 0.5)]
@@ -907,13 +905,12 @@ def test_symmetric_but_pair_dependent_splits_admit_no_balanced_model():
 
 
 def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
-    # Corollary 2 on models built in the Transformer:
-    # scores depending on the token pair only (an own-key bonus Delta), U and W_V set to
-    # Theorem 1's balanced solution for the split alpha the model itself shows at length 2.
-    # Every such model is balanced at lengths 1 and 2 (margins 2 alpha and alpha); at length
-    # 3 its weights are Lemma A's Omega / (1 + 2 Omega) (Omega = alpha / (1 - alpha) read off
-    # length 2), its logits are Theorem 2's -m_1 e_y - delta sum_i a_i (e_(t_i) - e_y), and
-    # it is balanced there only for Delta = 0, alpha = 1/2.
+    # Corollary 2 on models built in the Transformer: scores depending on the token pair only (an
+    # own-key bonus Delta), U and W_V set to Theorem 1's balanced solution for the split alpha the
+    # model itself shows at length 2. Every such model is balanced at lengths 1 and 2 (margins 2
+    # alpha and alpha); at length 3 its weights are Lemma A's Omega / (1 + 2 Omega) (Omega = alpha
+    # / (1 - alpha) read off length 2), its logits are Theorem 2's -m_1 e_y - delta sum_i a_i
+    # (e_(t_i) - e_y), and it is balanced there only for Delta = 0, alpha = 1/2.
     v, eye = 6, torch.eye(6, dtype=DT)
     triples = permutations(6, v, seed=3)[:, :3]
     for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
@@ -959,10 +956,9 @@ def test_balance_at_length_3_forces_the_even_split():
 
 
 def test_length_2_splits_determine_the_attention_at_every_length():
-    # One layer, no positions: the score of query y on key x depends on (y, x) only, so the
-    # weight on key t_i at any length is r(y, t_i) / sum_j r(y, t_j), with the odds
-    # r(y, x) = alpha_yx / (1 - alpha_yx) read off length 2, and r(y, y) = 1.
-    # Random weights, with the input LayerNorm.
+    # One layer, no positions: the score of query y on key x depends on (y, x) only, so the weight
+    # on key t_i at any length is r(y, t_i) / sum_j r(y, t_j), with the odds r(y, x) = alpha_yx /
+    # (1 - alpha_yx) read off length 2, and r(y, y) = 1. Random weights, with the input LayerNorm.
     v, n = 7, 8
     model = randomize(R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre")).double())
     g, alpha = torch.Generator().manual_seed(0), length_2_split(model, v)
@@ -1254,10 +1250,9 @@ def test_post_norm_margin_decays_like_one_over_sqrt_s_to_its_minimum_at_v_over_2
 
 
 def test_post_norm_margin_is_about_gamma_sqrt_n_over_s_for_small_s():
-    # Theorem 3(iii) on the hand-built model (eps = 0):
-    # m_post(s) = gamma sqrt(n/s) / sqrt(1 - s/v) exactly, so for s << v it is about
-    # gamma sqrt(n/s): within 1/sqrt(1 - 1/8) - 1 = 6.9 % for s <= v/8, and from s to 4s it
-    # falls by about 2 (the 1/sqrt(s) law), not by 4 (the 1/s law).
+    # Theorem 3(iii) on the hand-built model (eps = 0): m_post(s) = gamma sqrt(n/s) / sqrt(1 - s/v)
+    # exactly, so for s << v it is about gamma sqrt(n/s): within 1/sqrt(1 - 1/8) - 1 = 6.9 % for s
+    # <= v/8, and from s to 4s it falls by about 2 (the 1/sqrt(s) law), not by 4 (the 1/s law).
     gamma = 0.9
     for v in (32, 128):
         n = 2 * v
@@ -1409,9 +1404,8 @@ def test_layernorm_centres_any_multiple_of_the_all_ones_vector():
 
 @pytest.mark.parametrize("norm", ["pre", "post-residual", "pre-final", "post"])
 def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
-    # margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0,
-    # c = (n-1)/n; post-residual A = 1, c = (n-1)/n; pre-final A = 1, c = (n-1)^2/n^3;
-    # post A = 1, c = 0.
+    # margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0, c = (n-1)/n;
+    # post-residual A = 1, c = (n-1)/n; pre-final A = 1, c = (n-1)^2/n^3; post A = 1, c = 0.
     v, gamma = 12, 0.8
     n = 2 * v
     A, c = {"pre": (0, (n - 1) / n), "post-residual": (1, (n - 1) / n),
@@ -1449,13 +1443,12 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
 
 
 def test_pre_final_construction_resharpens_almost_like_post_norm():
-    # C.3 and C.5, v = 32, eps = 1e-5 (the model's).
-    # (a) pre-final's final norm sees the token (squared length 1) plus the average divided
-    # by sigma_1 (squared length (1/s - 1/v) / sigma_1^2); the average dominates exactly for
-    # s < 4 v^2 / (6v - 1) = 21.4 (eps = 0). (b) Each hand-built model, scaled to margin 6 at
-    # s = 12, is balanced with the margin of C.1-C.3 at every length to 1e-9 relative, a
-    # tolerance that sees eps: dropping it changes the margins by far more (checked). (c) The
-    # C.5 table's numbers, to the digits it prints, and its order.
+    # C.3 and C.5, v = 32, eps = 1e-5 (the model's). (a) pre-final's final norm sees the token
+    # (squared length 1) plus the average divided by sigma_1 (squared length (1/s - 1/v) /
+    # sigma_1^2); the average dominates exactly for s < 4 v^2 / (6v - 1) = 21.4 (eps = 0). (b) Each
+    # hand-built model, scaled to margin 6 at s = 12, is balanced with the margin of C.1-C.3 at
+    # every length to 1e-9 relative, a tolerance that sees eps: dropping it changes the margins by
+    # far more (checked). (c) The C.5 table's numbers, to the digits it prints, and its order.
     v, train_len, eps = 32, 12, 1e-5
     n, model = 2 * v, R.hand_built(v, "pre-final")
     perm = permutations(3, v)[:, : v - 1]
@@ -1745,16 +1738,13 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
             f = -2 * alpha * eye[y] - sum(ai * (eye[ti] - eye[y]) for ai, ti in zip(a.tolist(), t))
             assert torch.allclose(relative_to_unseen(logits[b, s - 1], t), f, atol=1e-12)
     # (b)
-    v = 8
-    n = 2 * v
-    scaled = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre",
-                                    attn_scale="logn")).double()
-    scaled.load_state_dict(R.hand_built(v, "pre").state_dict(), strict=False)
-    with torch.no_grad():
-        scaled.blocks[0].attn.log_scale.fill_(3.0)
-        scaled.blocks[0].attn.c_attn.weight[:n].zero_()
-        scaled.blocks[0].attn.c_attn.weight[0, v:] = 1.0       # W_Q: any token -> q_0 = 1
-        scaled.blocks[0].attn.c_attn.weight[n, v:] = 0.7       # W_K: any token -> k_0 = 0.7
+    v, n = 8, 16
+    scaled = R.Transformer(R.Config(vocab=v, n_embd=n, attn_scale="logn")).double()
+    scaled.requires_grad_(False).load_state_dict(R.hand_built(v, "pre").state_dict(), strict=False)
+    scaled.blocks[0].attn.log_scale.fill_(3.0)
+    scaled.blocks[0].attn.c_attn.weight[:n].zero_()
+    scaled.blocks[0].attn.c_attn.weight[0, v:] = 1.0       # W_Q: any token -> q_0 = 1
+    scaled.blocks[0].attn.c_attn.weight[n, v:] = 0.7       # W_K: any token -> k_0 = 0.7
     m = margins_at_every_length(scaled.eval(), v)
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(m[0] / s, rel=1e-10)
@@ -1762,28 +1752,25 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
 
 
 def test_log_length_scaling_breaks_proportions_and_lemma_a():
-    # NEW. Proposition D.1 and Lemma A need scores not rescaled by length. The same random
+    # Proposition D.1 and Lemma A need scores not rescaled by length. The same random
     # one-layer weights (every placement, MLP, 2 heads), read without and with
     # --attn-scale logn: without, '( ( )' and '( ( ( ( ) )' (proportional counts, same last
     # token) get the same last logits; with, they differ. And with logn the length-2 splits
     # no longer give the length-3 weights by Lemma A.
     g = torch.Generator().manual_seed(0)
     for norm in R.NORMS:
-        models = {}
-        for scale in ("none", "logn"):
-            models[scale] = R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm,
-                                                   mlp=True, attn_scale=scale)).double().eval()
+        models = {scale: R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
+                                                attn_scale=scale)).double().eval()
+                  for scale in ("none", "logn")}
         with torch.no_grad():
             for p in models["none"].parameters():
-                size = 0.5 if p.dim() == 2 else 0.3
-                p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * size
-                        + (1.0 if p.dim() == 1 else 0.0))
-            models["logn"].load_state_dict(models["none"].state_dict(), strict=False)
-            last = {k: (m(torch.tensor([[0, 0, 2]]))[0, -1],
-                        m(torch.tensor([[0, 0, 0, 0, 2, 2]]))[0, -1]) for k, m in models.items()}
-        assert torch.allclose(*last["none"], atol=1e-12)
+                p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
+                        + (p.dim() == 1))
+        models["logn"].load_state_dict(models["none"].state_dict(), strict=False)
+        ends = {k: (last(m, [0, 0, 2]), last(m, [0, 0, 0, 0, 2, 2])) for k, m in models.items()}
+        assert torch.allclose(*ends["none"], atol=1e-12)
         # theory.md quotes these differences: 0.82, 0.018, 0.63, 0.073 (NORMS' order)
-        assert (last["logn"][0] - last["logn"][1]).abs().max() > 0.01
+        assert (ends["logn"][0] - ends["logn"][1]).abs().max() > 0.01
     # Lemma A with logn: head 0's weights at length 3 against the odds read at length 2.
     model, alpha = models["logn"], length_2_split(models["logn"], 5)
     att3 = model(torch.tensor([[1, 3, 0]]), return_attn=True)[1][0][0, 0, 2]
