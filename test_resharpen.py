@@ -719,14 +719,12 @@ def test_uniform_prediction_metrics_match_closed_forms():
     # Zero logits predict 1/v everywhere: TVD = invalid = s/v, KL = log(v/(v-s)), gap = 0.
     v = 10
     model = R.Transformer(R.Config(vocab=v, n_embd=8))
-    with torch.no_grad():
-        model.lm_head.weight.zero_()
+    torch.nn.init.zeros_(model.lm_head.weight)
     m = R.evaluate(model, n_perm=20)
     for i, s in enumerate(m["length"]):
-        assert m["tvd"][i] == pytest.approx(s / v, abs=1e-6)
-        assert m["invalid_mass"][i] == pytest.approx(s / v, abs=1e-6)
+        assert (m["tvd"][i], m["invalid_mass"][i], m["logit_gap"][i]) == pytest.approx(
+            (s / v, s / v, 0), abs=1e-6)
         assert m["kl"][i] == pytest.approx(math.log(v / (v - s)), abs=1e-5)
-        assert m["logit_gap"][i] == pytest.approx(0, abs=1e-6)
 
 
 def test_evaluation_in_chunks_equals_one_pass(monkeypatch):
@@ -741,8 +739,7 @@ def test_evaluation_in_chunks_equals_one_pass(monkeypatch):
 def test_bos_changes_the_uniform_entropy_to_log_s_plus_1():
     m = R.evaluate(R.hand_built(6, "post"), n_perm=3)
     assert m["log_positions"] == pytest.approx([math.log(s) for s in range(1, 6)])
-    model = R.Transformer(R.Config(vocab=6, n_embd=8, bos=True))
-    m = R.evaluate(model, n_perm=3)
+    m = R.evaluate(R.Transformer(R.Config(vocab=6, n_embd=8, bos=True)), n_perm=3)
     assert m["log_positions"] == pytest.approx([math.log(s + 1) for s in range(1, 6)])
     assert "log(s+1)" in R.format_table(m, 2)
 
@@ -844,25 +841,22 @@ def test_balance_at_lengths_1_and_2_gives_f_for_any_convex_weights_and_the_1_ove
     g = torch.Generator().manual_seed(1)
     for s in range(1, v):
         t = torch.randperm(v, generator=g)[:s].tolist()
-        y = t[-1]
-        a = torch.rand(s, generator=g, dtype=DT) + 0.05
+        y, a = t[-1], torch.rand(s, generator=g, dtype=DT) + 0.05
         a = a / a.sum()
         f = B[y] + a @ D[t]
-        want = -m1 * eye[y] - delta * (a[:, None] * (eye[t] - eye[y])).sum(0)
+        want = -m1 * eye[y] - delta * a @ (eye[t] - eye[y])
         assert ((f - want) @ P).abs().max() < 1e-9
-        # brute force: all weights a (sum 1) and margins m with (f + m 1_t) P = 0
-        # unknowns (a_1 .. a_s, m): linear equations M [a; m] = rhs
-        cols = [D[t[i]] @ P for i in range(s)] + [eye[t].sum(0) @ P]
-        M = torch.stack(cols, dim=1)
-        M = torch.cat([M, torch.tensor([[1.0] * s + [0.0]], dtype=DT)])
+        # brute force: all weights a (sum 1) and margins m with (f + m 1_t) P = 0, as linear
+        # equations M [a; m] = rhs on the unknowns (a_1 .. a_s, m)
+        M = torch.cat([torch.stack([D[x] @ P for x in t] + [eye[t].sum(0) @ P], dim=1),
+                       torch.tensor([[1.0] * s + [0.0]], dtype=DT)])
         rhs = torch.cat([-(B[y] @ P), torch.tensor([1.0], dtype=DT)])
         sol = torch.linalg.lstsq(M, rhs).solution
         assert (M @ sol - rhs).abs().max() < 1e-9                   # a solution exists
         assert null_space(M).shape[1] == 0                          # and it is unique
         assert sol[-1].item() == pytest.approx(m1 / s, rel=1e-9)   # margin m_1 / s
-        if s >= 2:
+        if s >= 2:   # the balanced weights m_1 / (s delta); random weights are not balanced
             assert (sol[: s - 1] - m1 / (s * delta)).abs().max() < 1e-9
-        if s >= 2:   # random weights are not balanced
             assert (((f + (m1 / s) * eye[t].sum(0)) @ P).abs().max() > 1e-3
                     or ((f @ P)[t] - (f @ P)[t][0]).abs().max() > 1e-3)
 
@@ -1345,12 +1339,11 @@ def test_common_part_regimes_sqrt_2_and_s_star():
     for w, scale, norm in [(1.0, 0.05, "rms"), (0.7, 0.04, "layer"), (2.0, 0.1, "rms")]:
         c = torch.cat([torch.full((v,), scale, dtype=DT),
                        torch.randn(n - v, generator=g, dtype=DT) * scale])
-        cp = c if norm == "rms" else c - c.mean()
-        c2 = cp.pow(2).sum().item()
+        c2 = (c if norm == "rms" else c - c.mean()).pow(2).sum().item()     # |c'|^2
         s_star = 1 / (c2 / w**2 + 1 / v)
         layer = (torch.nn.RMSNorm(n, eps=0.0) if norm == "rms"
                  else torch.nn.LayerNorm(n, eps=0.0, elementwise_affine=False)).double()
-        below = above = 0
+        regimes = set()
         for s in range(1, v):
             ubar = c.clone()
             ubar[:v] += w * (torch.tensor([1.0] * s + [0.0] * (v - s), dtype=DT) / s - 1 / v)
@@ -1358,14 +1351,11 @@ def test_common_part_regimes_sqrt_2_and_s_star():
             gap = (out[:s].mean() - out[s:v].mean()).item()
             want = w * math.sqrt(n) / s / math.sqrt(c2 + w * w * (1 / s - 1 / v))
             assert gap == pytest.approx(want, rel=1e-10)
-            if s >= s_star:
-                ratio = gap / (w * math.sqrt(n) / (s * math.sqrt(c2)))
-                above += 1
-            else:
-                ratio = gap / math.sqrt(n * v / (s * (v - s)))
-                below += 1
+            regimes.add(s >= s_star)
+            ratio = gap / (w * math.sqrt(n) / (s * math.sqrt(c2)) if s >= s_star
+                           else math.sqrt(n * v / (s * (v - s))))
             assert 1 / math.sqrt(2) - 1e-12 <= ratio <= 1 + 1e-12
-        assert below > 0 and above > 0
+        assert regimes == {False, True}          # both regimes are met
 
 
 @needs_rmsnorm
@@ -1453,13 +1443,11 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     n, model = 2 * v, R.hand_built(v, "pre-final")
     perm = permutations(3, v)[:, : v - 1]
     x = model.blocks[0](model.wte(perm))[0]       # the residual stream before ln_f
-    var_1 = (n - 1) / n**2 + eps
-    for s in range(1, v):
-        emb, avg = x[:, s - 1, v:].pow(2).sum(-1), x[:, s - 1, :v].pow(2).sum(-1)
-        assert torch.allclose(emb, torch.ones(3, dtype=DT), atol=1e-12)
-        assert torch.allclose(avg, torch.full((3,), (1 / s - 1 / v) / var_1, dtype=DT),
-                              rtol=1e-10)
-        assert ((1 / s - 1 / v) * n**2 / (n - 1) > 1) == (s < 4 * v * v / (6 * v - 1))
+    var_1, s = (n - 1) / n**2 + eps, torch.arange(1, v, dtype=DT)
+    assert torch.allclose(x[..., v:].pow(2).sum(-1), torch.ones(3, v - 1, dtype=DT), atol=1e-12)
+    assert torch.allclose(x[..., :v].pow(2).sum(-1), ((1 / s - 1 / v) / var_1).expand(3, -1),
+                          rtol=1e-10)
+    assert torch.equal((1 / s - 1 / v) * n**2 / (n - 1) > 1, s < 4 * v * v / (6 * v - 1))
     assert 4 * v * v / (6 * v - 1) == pytest.approx(21.445, abs=1e-3)
     got = {}
     for norm in R.NORMS:
@@ -1467,8 +1455,7 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
         assert R.predicted_margin(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
         m = margins_at_every_length(R.hand_built(v, norm, gamma), v, n_perm=2)
         for s, ms in enumerate(m, start=1):
-            want = margin_c(v, norm, s, gamma, eps)
-            assert ms == pytest.approx(want, rel=1e-9)
+            assert ms == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-9)
             assert ms == pytest.approx(R.predicted_margin(v, norm, s, gamma), rel=1e-9)
         # eps is visible at this tolerance: the eps = 0 formula is off by more than 1e-6
         assert abs(margin_c(v, norm, v - 1, gamma, 0.0) / m[-1] - 1) > 1e-6
@@ -1646,11 +1633,11 @@ def test_normed_bos_average_on_an_arc_separates_depth_0_but_cannot_be_flat_on_3_
 
 
 def test_normed_bos_average_turns_monotonically_and_one_relu_feature_separates_depth_0():
-    # NEW. Appendix D, at eps = 0, n = 6: p_h = LN(e_0 + h e_1). (a) The angle of p_h from
-    # p_0 in their plane rises strictly with h and stays below the angle between C e_0 and
-    # C e_1, arccos(-1/(n-1)), tending to it. (b) One ReLU feature relu(p_h . p_0 - c), c
-    # halfway between p_1 . p_0 and n, is positive at depth 0 and 0 at every depth >= 1: a
-    # readout K relu(..) is flat on all depths >= 1 and (n - p_1 . p_0) K / 2 higher at 0.
+    # Appendix D, at eps = 0, n = 6: p_h = LN(e_0 + h e_1). (a) The angle of p_h from p_0 in
+    # their plane rises strictly with h and stays below the angle between C e_0 and C e_1,
+    # arccos(-1/(n-1)), tending to it. (b) One ReLU feature relu(p_h . p_0 - c), c halfway
+    # between p_1 . p_0 and n, is positive at depth 0 and 0 at every depth >= 1: a readout
+    # K relu(..) is flat on all depths >= 1 and (n - p_1 . p_0) K / 2 higher at 0.
     n, H = 6, 400
     e = torch.eye(n, dtype=DT)
     ln = lambda z: torch.nn.functional.layer_norm(z, (n,), eps=0.0)   # noqa: E731
@@ -1666,8 +1653,7 @@ def test_normed_bos_average_turns_monotonically_and_one_relu_feature_separates_d
     assert (angle[1:] - angle[:-1]).min() > 0 and angle.max() < end
     assert angle[-1].item() == pytest.approx(end, abs=0.01)
     dot = pts @ pts[0]
-    c = (dot[1] + n) / 2
-    feature = (dot - c).clamp_min(0)
+    feature = (dot - (dot[1] + n) / 2).clamp_min(0)
     assert feature[0] > 0 and feature[1:].abs().max() == 0
     assert (feature[0] - feature[1]).item() == pytest.approx((n - dot[1].item()) / 2, rel=1e-12)
 
