@@ -802,9 +802,8 @@ def test_step_2_balance_at_lengths_1_and_2_forces_m1_equal_2_m2_for_any_attentio
     random_alpha = (0.1 + 0.8 * torch.rand(v, v, generator=g, dtype=DT)).tolist()
     for alpha, common in [([[0.5] * v] * v, True), ([[0.3] * v] * v, True),
                           (random_alpha, False)]:
-        N = null_space(balance_equations(v, alpha))
-        m1, m2 = N[-2], N[-1]
-        assert (m1 - 2 * m2).abs().max() < 1e-9
+        N = null_space(balance_equations(v, alpha))   # rows -2, -1: m_1, m_2
+        assert (N[-2] - 2 * N[-1]).abs().max() < 1e-9
         assert (N[-1].norm() > 1e-3) == common        # some solution has m_2 != 0
 
 
@@ -822,8 +821,7 @@ def test_balanced_solutions_have_D_equal_minus_delta_I_up_to_a_common_row_and_ra
     assert (common_D - common_D[0]).abs().max() < 1e-9
     assert (common_B + common_D).abs().max() < 1e-9
     assert torch.linalg.matrix_rank(D @ P, atol=1e-9).item() == v - 1
-    BP = B @ P
-    assert ((BP - BP[0]).abs().max() < 1e-9) == (alpha == 0.5)
+    assert (((B - B[0]) @ P).abs().max() < 1e-9) == (alpha == 0.5)
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.3])
@@ -846,8 +844,7 @@ def test_balance_at_lengths_1_and_2_gives_f_for_any_convex_weights_and_the_1_ove
         f = B[y] + a @ D[t]
         want = -m1 * eye[y] - delta * a @ (eye[t] - eye[y])
         assert ((f - want) @ P).abs().max() < 1e-9
-        # brute force: all weights a (sum 1) and margins m with (f + m 1_t) P = 0, as linear
-        # equations M [a; m] = rhs on the unknowns (a_1 .. a_s, m)
+        # brute force: all (a_1 .. a_s, m) with sum a = 1 and (f + m 1_t) P = 0: M [a; m] = rhs
         M = torch.cat([torch.stack([D[x] @ P for x in t] + [eye[t].sum(0) @ P], dim=1),
                        torch.tensor([[1.0] * s + [0.0]], dtype=DT)])
         rhs = torch.cat([-(B[y] @ P), torch.tensor([1.0], dtype=DT)])
@@ -866,12 +863,10 @@ def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
     # built in the script's Transformer: at every length its logits are
     # -m_1 e_y - delta sum a_i (e_(t_i) - e_y) up to a constant, with its own attention
     # weights a (read from the model), m_1 = 2 m_2, delta = m_2 / alpha.
-    v, b, m2 = 6, 1.0, 1.0
+    v, b, m2, eye = 6, 1.0, 1.0, torch.eye(6, dtype=DT)
     alpha, model = 1 / (1 + math.exp(b)), uneven_split_model(v, b, m2)[0]
-    eye = torch.eye(v, dtype=DT)
-    P, perm = eye - 1.0 / v, permutations(3, v)[:, : v - 1]
+    delta, m1, P, perm = m2 / alpha, 2 * m2, eye - 1.0 / v, permutations(3, v)[:, : v - 1]
     logits, atts = model(perm, return_attn=True)
-    delta, m1 = m2 / alpha, 2 * m2
     for bi in range(3):
         for s in range(1, v):
             t = perm[bi, :s].tolist()
@@ -913,9 +908,8 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
         assert torch.allclose(alphas, torch.full_like(alphas, alpha).fill_diagonal_(0.5),
                               atol=1e-14)
         model = pair_score_model(v, Delta, alpha)
-        m = margins_at_every_length(model, v, n_perm=6, up_to=2)
-        assert m[0] == pytest.approx(2 * alpha, abs=1e-12)         # m_1 = 2 alpha
-        assert m[1] == pytest.approx(alpha, abs=1e-12)             # m_2 = alpha = m_1 / 2
+        assert margins_at_every_length(model, v, n_perm=6, up_to=2) == pytest.approx(
+            [2 * alpha, alpha], abs=1e-12)                         # m_1 = 2 alpha, m_2 = m_1 / 2
         logits, atts = model(triples, return_attn=True)
         omega = alpha / (1 - alpha)
         a = omega / (1 + 2 * omega)                                # Lemma A, each earlier token
@@ -926,9 +920,7 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
             assert torch.allclose(rel, f, atol=1e-12)
             spread = (rel[t[2]] - rel[t[0]]).abs().item()          # last vs an earlier token
             assert spread == pytest.approx(alpha * abs(1 - 2 * alpha) / (1 + alpha), abs=1e-12)
-            assert (spread < 1e-12) == (Delta == 0.0)
-            if Delta != 0.0:
-                assert spread > 0.01
+            assert spread < 1e-12 if Delta == 0.0 else spread > 0.01
 
 
 def test_balance_at_length_3_forces_the_even_split():
@@ -998,9 +990,9 @@ def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_no
     triples = torch.tensor([[0, 1, 2], [4, 2, 5], [3, 5, 0]])
     for row, (x, z, y) in zip(model(triples)[:, -1], triples.tolist()):
         unseen = row[[t for t in range(v) if t not in (x, y, z)]].mean()
-        assert (row[y] - unseen).item() == pytest.approx(-2 / (e + 2), abs=1e-12)
-        assert (row[x] - unseen).item() == pytest.approx(-(e + 1) / (e + 2), abs=1e-12)
-        assert (row[z] - unseen).item() == pytest.approx(-(e + 1) / (e + 2), abs=1e-12)
+        assert [(row[t] - unseen).item() for t in (y, x, z)] == pytest.approx(
+            [-2 / (e + 2), -(e + 1) / (e + 2), -(e + 1) / (e + 2)], abs=1e-12)
+
 
 
 def test_pre_norm_margin_decays_like_two_over_s():
@@ -1018,8 +1010,7 @@ def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
     # construction with n_embd = 2v - 2, head_dim = v - 1 fits them exactly.
     v = 5
     assert fit_lengths_1_2(v, 2 * v - 2, v - 1, steps=400) < 1e-4
-    below = min(fit_lengths_1_2(v, 2 * v, v - 2, steps=400, seed=k) for k in range(2))
-    assert below > 0.1
+    assert min(fit_lengths_1_2(v, 2 * v, v - 2, steps=400, seed=k) for k in range(2)) > 0.1
 
 
 @pytest.mark.parametrize("n_head", [2, 4])
@@ -1058,19 +1049,19 @@ def test_input_layernorm_adds_at_most_one_direction_to_the_token_differences():
     # LN(E[x]) - LN(E[y]) lies in g * span(C S, C E[0]), S = span{E[x] - E[y]}, C the centring
     # over the features: if S has dimension k, the normed differences span at most k + 1
     # (here exactly k + 1). This is why Pre-Norm's width bound is 2v - 3, not 2v - 2.
-    v, n, k = 8, 10, 3
-    g = torch.Generator().manual_seed(2)
+    v, n, k, g = 8, 10, 3, torch.Generator().manual_seed(2)
     basis = torch.randn(k, n, generator=g, dtype=DT)
     E = torch.randn(1, n, generator=g, dtype=DT) + torch.randn(v, k, generator=g, dtype=DT) @ basis
-    ln = torch.nn.LayerNorm(n).double()
-    with torch.no_grad():
-        ln.weight.copy_(1 + 0.3 * torch.randn(n, generator=g, dtype=DT))
-        ln.bias.copy_(torch.randn(n, generator=g, dtype=DT))
+    ln = torch.nn.LayerNorm(n).double().requires_grad_(False)
+    ln.weight.copy_(1 + 0.3 * torch.randn(n, generator=g, dtype=DT))
+    ln.bias.copy_(torch.randn(n, generator=g, dtype=DT))
     diffs = (ln(E) - ln(E[:1])).detach()
     assert torch.linalg.matrix_rank(E - E[:1]).item() == k
     assert torch.linalg.matrix_rank(diffs).item() == k + 1
     centre = lambda z: z - z.mean(-1, keepdim=True)
     span = ln.weight.detach() * centre(torch.cat([basis, E[:1]]))
+
+
     coef = torch.linalg.lstsq(span.T, diffs.T).solution
     assert (span.T @ coef - diffs.T).abs().max() < 1e-10
 
@@ -1084,8 +1075,7 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
     # b_0, b_1, b_v, .., b_(n-1) (orthogonal to S), so B is a constant row. The normed
     # embeddings y_x are v affinely independent points of span(b_1 .. b_(v-1)); the value map
     # sends y_x + bias to Q[x] - (b_1 K^T), which cancels B: margin delta / s, exactly.
-    delta, n = 1.3, 2 * v - 3
-    g = torch.Generator().manual_seed(0)
+    delta, n, g = 1.3, 2 * v - 3, torch.Generator().manual_seed(0)
     start = torch.cat([torch.ones(n, 1, dtype=DT), torch.randn(n, n - 1, generator=g, dtype=DT)],
                       dim=1)
     b, Q = torch.linalg.qr(start).Q.T, ones_complement(v)
@@ -1095,8 +1085,7 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
     Y = torch.nn.functional.layer_norm(E, (n,))                 # the normed embeddings
     X = torch.cat([Y @ b[1:v].T, torch.ones(v, 1, dtype=DT)], dim=1)
     sol = torch.linalg.solve(X, Q)                  # Y G + 1^T k = Q: an affine map
-    shift = torch.zeros(v - 1, dtype=DT)
-    shift[1] = 1.0                                  # b_1 K^T
+    shift = torch.eye(v - 1, dtype=DT)[1]           # b_1 K^T
     G = b[1:v].T @ sol[:-1] + b[0][:, None] * (sol[-1] - shift)[None, :]   # bias b_0 -> k - shift
     W_V = G @ K
     model = text_model(E, U, W_V, input_ln=True)
@@ -1121,15 +1110,13 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
          + 2 * torch.eye(n, dtype=DT))
     Mi = torch.linalg.inv(M)
     E2, W2, U2 = E @ M, Mi @ W @ M, Mi @ U
-    model = text_model(E2, U2, W2)
-    m = margins_at_every_length(model, v)
+    m = margins_at_every_length(text_model(E2, U2, W2), v)
     assert m[0] == pytest.approx(delta) and m[1] == pytest.approx(delta / 2)
     diffs = E2[1:] - E2[0]
     dim_E = torch.linalg.matrix_rank(diffs, atol=1e-9).item()
-    assert dim_E >= v - 1
-    assert (diffs @ U2 @ P).abs().max() < 1e-10                          # E in N
     rank_UP = torch.linalg.matrix_rank(U2 @ P, atol=1e-9).item()
-    assert rank_UP == v - 1
+    assert dim_E >= v - 1 and rank_UP == v - 1
+    assert (diffs @ U2 @ P).abs().max() < 1e-10                          # E in N
     dim_N = n - rank_UP                                                  # rank-nullity
     assert dim_N >= dim_E and n >= dim_E + rank_UP >= 2 * v - 2
 
@@ -1144,8 +1131,7 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
     for alpha, ok in [(0.5, True), (0.3, False), (0.7, False)]:
         N = null_space(balance_equations(v, [[alpha] * v] * v, B_zero=True))
         assert (N.shape[1] > 0 and N[-1].abs().max() > 1e-3) == ok
-    delta, Q = 1.7, ones_complement(v)
-    eye = torch.eye(v - 1, dtype=DT)
+    delta, Q, eye = 1.7, ones_complement(v), torch.eye(v - 1, dtype=DT)
     model, perm = text_model(Q, -delta * Q.T, eye, eye), permutations(3, v)[:, : v - 1]
     attn_out, _ = model.blocks[0].attn(model.wte(perm))
     logits = attn_out @ model.lm_head.weight.T          # U reads the attention output only
@@ -1711,9 +1697,8 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
     assert alpha == pytest.approx(1 / (1 + math.exp(scale * math.log(2) * Delta)), rel=1e-12)
     model = pair_score_model(v, Delta, alpha, attn_scale="logn")
     model.blocks[0].attn.log_scale.fill_(scale)
-    perm = permutations(3, v, seed=1)[:, : v - 1]
+    perm, eye = permutations(3, v, seed=1)[:, : v - 1], torch.eye(v, dtype=DT)
     logits, atts = model(perm, return_attn=True)
-    eye = torch.eye(v, dtype=DT)
     for b in range(3):
         for s in range(1, v):
             t, y = perm[b, :s].tolist(), perm[b, s - 1].item()
@@ -1723,8 +1708,7 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
             assert torch.allclose(a, want, atol=1e-12)
             f = -2 * alpha * eye[y] - sum(ai * (eye[ti] - eye[y]) for ai, ti in zip(a.tolist(), t))
             assert torch.allclose(relative_to_unseen(logits[b, s - 1], t), f, atol=1e-12)
-    # (b)
-    v, n = 8, 16
+    v, n = 8, 16   # (b)
     scaled = R.Transformer(R.Config(vocab=v, n_embd=n, attn_scale="logn")).double()
     scaled.requires_grad_(False).load_state_dict(R.hand_built(v, "pre").state_dict(), strict=False)
     scaled.blocks[0].attn.log_scale.fill_(3.0)
@@ -1747,11 +1731,11 @@ def test_log_length_scaling_breaks_proportions_and_lemma_a():
     for norm in R.NORMS:
         models = {scale: R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
                                                 attn_scale=scale)).double().eval()
-                  for scale in ("none", "logn")}
-        with torch.no_grad():
-            for p in models["none"].parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
-                        + (p.dim() == 1))
+                  .requires_grad_(False) for scale in ("none", "logn")}
+
+        for p in models["none"].parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
+                    + (p.dim() == 1))
         models["logn"].load_state_dict(models["none"].state_dict(), strict=False)
         ends = {k: (last(m, [0, 0, 2]), last(m, [0, 0, 0, 0, 2, 2])) for k, m in models.items()}
         assert torch.allclose(*ends["none"], atol=1e-12)
@@ -1772,12 +1756,10 @@ def test_dropout_at_training_time_leaves_the_expected_logits_of_pre_unchanged():
     v, p, reps = 6, 0.3, 40000
     model = R.Transformer(R.Config(vocab=v, n_embd=8, n_head=2, norm="pre",
                                    dropout=p)).double()
-    g = torch.Generator().manual_seed(0)
+    g, idx = torch.Generator().manual_seed(0), torch.tensor([[3, 0, 5, 1]])
     with torch.no_grad():
         for prm in model.parameters():
             prm.copy_(torch.randn(prm.shape, generator=g, dtype=DT) * 0.5 + (prm.dim() == 1))
-    idx = torch.tensor([[3, 0, 5, 1]])
-    with torch.no_grad():
         clean = model.eval()(idx)[0, -1]
         noisy = model.train()(idx.repeat(reps, 1))[:, -1]
     mean, se = noisy.mean(0), noisy.std(0) / math.sqrt(reps)
@@ -1798,8 +1780,7 @@ def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b
     z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(0), dtype=DT)
     z = z / z[-2]                                                         # m_1 = 1
     B, D, D0 = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[2 * v * v: 2 * v * v + v]
-    dp = (e + 1)
-    d = (D + dp * eye) @ P
+    d = (D + (e + 1) * eye) @ P                                           # delta' = e^b + 1
     assert (d - d[0]).abs().max() < 1e-9                                  # common row
     assert ((D0 @ P) - d[0]).abs().max() < 1e-9                           # D_0 == d
     assert ((B @ P) + d[0]).abs().max() < 1e-9                            # B == -d
@@ -1812,8 +1793,7 @@ def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b
 def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
     # E2's model, in the script's Transformer with --bos: B = -d, D = -delta I + d, BOS value d
     # (d != 0), BOS score b above the others: balanced with margin delta / (e^b + s) = m_1
-    # (e^b + 1) / (e^b + s) at every length. Features: 0 constant, 1 BOS flag, 2 .. v+1 read
-    # by U, v+2 .. 2v+1 the token (not read).
+    # (e^b + 1) / (e^b + s) at every length.
     v, b, delta = 6, 1.2, 2.5
     model = bos_sink_model(v, b, delta)
     m, e = margins_at_every_length(model, v), math.exp(b)
@@ -1826,12 +1806,12 @@ def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
 
 
 def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e_t_i():
-    # NEW. E.3's general remark: with D = -delta' I + d, D_0 = d, B = -d and ANY weights (p on
-    # BOS, a_i on the seen tokens) f == -delta' sum_i a_i e_(t_i); balanced iff the a_i are
-    # equal, with margin delta' (1 - p) / s. In the Transformer with --bos and
-    # --attn-scale logn (so BOS's weight is not E.3's e^b / (e^b + s)); features: 0 constant,
-    # 1 BOS flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token. Scores: b on BOS; an own-key
-    # bonus Delta (Delta = 0: equal weights on the seen tokens).
+    # E.3's general remark: with D = -delta' I + d, D_0 = d, B = -d and ANY weights (p on BOS,
+    # a_i on the seen tokens) f == -delta' sum_i a_i e_(t_i); balanced iff the a_i are equal,
+    # with margin delta' (1 - p) / s. In the Transformer with --bos and --attn-scale logn (so
+    # BOS's weight is not E.3's e^b / (e^b + s)); scores: b on BOS, an own-key bonus Delta
+    # (Delta = 0: equal weights on the seen tokens).
+
     v, b, delta = 6, 1.2, 2.5
     eye, perm = torch.eye(v, dtype=DT), permutations(3, v, seed=2)[:, : v - 1]
     for Delta in (0.0, 0.7):
