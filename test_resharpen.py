@@ -206,8 +206,7 @@ def uneven_split_model(v, b, m2=1.0):
     """Section 2's counterexample, width n = head dim = v - 1, no norm: E = Q, scores with
     a bonus b for the token's own key, W_V W_O = mu I, U = nu Q^T, with a = 1/(1 + e^b),
     nu = m2 (1 - 2a) / a and mu = -1 / (1 - 2a)."""
-    Q, n = ones_complement(v), v - 1
-    a = 1 / (1 + math.exp(b))
+    Q, n, a = ones_complement(v), v - 1, 1 / (1 + math.exp(b))
     nu, mu = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a)
     eye = torch.eye(n, dtype=DT)
     # score(y, x) = Q[y] (b sqrt(n) I) Q[x]^T / sqrt(n) = b (1[x = y] - 1/v)
@@ -545,12 +544,11 @@ def test_dropout_acts_on_the_attention_weights_and_on_each_blocks_outputs():
 
 def test_ema_equals_its_closed_form_weighted_average():
     # avg_t = sum_k (1-d) d^(t-k) theta_k / (1 - d^t): the initialization has no weight.
-    d, model = 0.9, torch.nn.Linear(3, 2)
+    d, model = 0.9, torch.nn.Linear(3, 2).requires_grad_(False)
     ema = R.EMA(model, d)
     thetas = [torch.randn(2, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     for th in thetas:
-        with torch.no_grad():
-            model.weight.copy_(th)
+        model.weight.copy_(th)
         ema.update(model)
     t = len(thetas)
     want = sum((1 - d) * d ** (t - k) * thetas[k - 1] for k in range(1, t + 1)) / (1 - d**t)
@@ -611,8 +609,7 @@ def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_sm
     # / (lam (2 - eta lam)) for 0 < eta lam < 2. At eta lam = 1 and 1.5 the exact factor is 2 and 4
     # times the small-step approximation eta sigma^2 / (2 lam), so a 5 % tolerance tells them
     # apart; for eta lam << 1 V / eta -> sigma^2 / (2 lam); above 2 the iterates diverge.
-    lam, sigma, chains = 2.0, 0.5, 10000
-    g = torch.Generator().manual_seed(0)
+    lam, sigma, chains, g = 2.0, 0.5, 10000, torch.Generator().manual_seed(0)
 
     def simulate(eta, steps):
         theta = torch.zeros(chains, dtype=DT)
@@ -1276,8 +1273,7 @@ def test_a_common_part_of_the_values_sets_the_post_norm_gap(norm_cls):
     # anything elsewhere): gap = w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)), where
     # c' = c minus its mean over the n features for LayerNorm, c' = c for RMSNorm.
     # LayerNorm removes only the part of c along the all-ones feature vector.
-    v = 12
-    n, g = 2 * v, torch.Generator().manual_seed(1)
+    v, n, g = 12, 24, torch.Generator().manual_seed(1)
     centred = torch.cat([torch.eye(v, dtype=DT) - 1.0 / v, torch.zeros(v, v, dtype=DT)], 1)
     one_hot_common = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
     other_common = torch.cat([torch.full((v,), 0.3, dtype=DT), torch.randn(v, generator=g,
@@ -1300,8 +1296,7 @@ def test_one_hot_values_gap_decays_under_both_layernorm_and_rmsnorm():
     # u_x = e_x: LayerNorm n / sqrt(s (n - s)), RMSNorm sqrt(n / s). Over s = 1 .. v - 1 <= n/2
     # both fall strictly; their ratio sqrt(n / (n - s)) lies in [1, sqrt(2)].
     # v = 32, n = 64: LayerNorm 8.06 -> 2.00, RMSNorm 8.00 -> 1.44.
-    v = 32
-    n = 2 * v
+    v, n = 32, 64
     one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
     ln = margins_at_every_length(post_norm_with_values(v, one_hot, "layer"), v, n_perm=1)
     rms = margins_at_every_length(post_norm_with_values(v, one_hot, "rms"), v, n_perm=1)
@@ -1320,8 +1315,7 @@ def test_common_part_regimes_sqrt_2_and_s_star():
     # LayerNorm and RMSNorm on the explicit average, eps = 0): for s >= s* = 1 / (|c'|^2/w^2
     # + 1/v) it lies within [1/sqrt 2, 1] of w sqrt(n) / (s |c'|), below s* within [1/sqrt 2, 1]
     # of the centred law w sqrt(n v / (s (v - s))) / w.
-    v, n = 16, 40
-    g = torch.Generator().manual_seed(2)
+    v, n, g = 16, 40, torch.Generator().manual_seed(2)
     for w, scale, norm in [(1.0, 0.05, "rms"), (0.7, 0.04, "layer"), (2.0, 0.1, "rms")]:
         c = torch.cat([torch.full((v,), scale, dtype=DT),
                        torch.randn(n - v, generator=g, dtype=DT) * scale])
@@ -1351,8 +1345,7 @@ def test_one_hot_values_s_star_and_ratios_at_v_minus_1():
     # At s = v - 1, v = 32, the one-hot gap over the centred Post-Norm gap (hand_built
     # 'post' at eps = 0) is sqrt(1/v) = 0.18 (RMSNorm) and sqrt(n / ((n - s) v)) = 0.25
     # (LayerNorm); the one-hot gaps are measured on the model with torch's norms.
-    v = 32
-    n = 2 * v
+    v, n = 32, 64
     c = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
     s_rms = 1 / (c.pow(2).sum().item() + 1 / v)
     s_ln = 1 / ((c - c.mean()).pow(2).sum().item() + 1 / v)
@@ -1382,8 +1375,7 @@ def test_layernorm_centres_any_multiple_of_the_all_ones_vector():
 def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
     # margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0, c = (n-1)/n;
     # post-residual A = 1, c = (n-1)/n; pre-final A = 1, c = (n-1)^2/n^3; post A = 1, c = 0.
-    v, gamma = 12, 0.8
-    n = 2 * v
+    v, gamma, n = 12, 0.8, 24
     A, c = {"pre": (0, (n - 1) / n), "post-residual": (1, (n - 1) / n),
             "pre-final": (1, (n - 1) ** 2 / n**3), "post": (1, 0.0)}[norm]
     for s, m in enumerate(margins_with_eps_0(v, norm, gamma), start=1):
@@ -1398,8 +1390,7 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
     # with s, and stays below sqrt(1 + (1 - s0/v)/(s0 A)): < sqrt(3/2) for s0 = 2 (1.214 at
     # v = 32; tends to sqrt(3/2)), and 1.408 for s0 = 1 (tends to sqrt(2)). The hand-built
     # Post-Norm model has m_1 / m_2 = sqrt(2 (v-2) / (v-1)), not 2 (Theorem 1(a) assumes no norm).
-    v = 32
-    n = 2 * v
+    v, n = 32, 64
     A, m = (n - 1) / n, margins_with_eps_0(v, "post-residual")
     for s0 in (1, 2):
         gains = [m[s - 1] / m[s0 - 1] * s / s0 for s in range(s0, v)]
@@ -1459,8 +1450,7 @@ def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
     # Theorem 3(v): at eps = 0 the post model's TVD at length s is
     # s / (s + (v - s) e^m(s)) <= s / (s + (v - s) e^(2 gamma sqrt(n/v))), with equality only at
     # s = v/2; measured by evaluate() on hand_built(v, 'post', gamma).
-    v, gamma = 16, 0.6
-    n = 2 * v
+    v, gamma, n = 16, 0.6, 32
     m = R.evaluate(eps_0(R.hand_built(v, "post", gamma)), n_perm=4)
     floor = 2 * gamma * math.sqrt(n / v)
     for s, tvd in zip(m["length"], m["tvd"]):
@@ -1483,13 +1473,12 @@ def test_theory_tvd_never_overflows():
 def test_bema_equals_its_closed_form():
     # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
     # bema_t = a_t (theta_t - theta_0) + ema_t
-    model = torch.nn.Linear(2, 2, bias=False)
+    model = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
     theta0, bema = model.weight.detach().clone(), R.BEMA(model)
     thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
     ema = theta0
     for t, th in enumerate(thetas, start=1):
-        with torch.no_grad():
-            model.weight.copy_(th)
+        model.weight.copy_(th)
         bema.update(model)
         b, a = (10 + t) ** -0.5, (10 + t) ** -0.2
         ema = (1 - b) * ema + b * th
@@ -1497,13 +1486,13 @@ def test_bema_equals_its_closed_form():
 
 
 def test_bema_without_correction_is_the_ema_with_the_same_schedule():
-    model = torch.nn.Linear(3, 3)
+    model = torch.nn.Linear(3, 3).requires_grad_(False)
     bema, plain = R.BEMA(model, correct=False), R.EMA(model, decay=0.5)
     plain.beta = bema.beta          # same schedule, plain update rule
     for k in range(6):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+
         bema.update(model)
         plain.update(model)
     for a, b in zip(bema.averaged(), plain.averaged()):
