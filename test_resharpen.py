@@ -991,7 +991,6 @@ def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_no
             [-2 / (e + 2), -(e + 1) / (e + 2), -(e + 1) / (e + 2)], abs=1e-12)
 
 
-
 def test_pre_norm_margin_decays_like_two_over_s():
     # theory.md, section 3: margin(s) = (2 / s) margin(2) under uniform attention.
     m2 = R.predicted_margin(20, "pre", 2)
@@ -1057,8 +1056,6 @@ def test_input_layernorm_adds_at_most_one_direction_to_the_token_differences():
     assert torch.linalg.matrix_rank(diffs).item() == k + 1
     centre = lambda z: z - z.mean(-1, keepdim=True)
     span = ln.weight.detach() * centre(torch.cat([basis, E[:1]]))
-
-
     coef = torch.linalg.lstsq(span.T, diffs.T).solution
     assert (span.T @ coef - diffs.T).abs().max() < 1e-10
 
@@ -1492,7 +1489,6 @@ def test_bema_without_correction_is_the_ema_with_the_same_schedule():
     for k in range(6):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
-
         bema.update(model)
         plain.update(model)
     for a, b in zip(bema.averaged(), plain.averaged()):
@@ -1721,7 +1717,6 @@ def test_log_length_scaling_breaks_proportions_and_lemma_a():
         models = {scale: R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
                                                 attn_scale=scale)).double().eval()
                   .requires_grad_(False) for scale in ("none", "logn")}
-
         for p in models["none"].parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
                     + (p.dim() == 1))
@@ -1800,7 +1795,6 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
     # with margin delta' (1 - p) / s. In the Transformer with --bos and --attn-scale logn (so
     # BOS's weight is not E.3's e^b / (e^b + s)); scores: b on BOS, an own-key bonus Delta
     # (Delta = 0: equal weights on the seen tokens).
-
     v, b, delta = 6, 1.2, 2.5
     eye, perm = torch.eye(v, dtype=DT), permutations(3, v, seed=2)[:, : v - 1]
     for Delta in (0.0, 0.7):
@@ -1881,23 +1875,22 @@ def test_comparison_tuned_deep_and_suite_run_end_to_end(tmp_path, monkeypatch, c
     # Tuned rates (every rate on the first seed, the best one on the others), two layers:
     R.compare(R.replace(base, n_layer=2, mlp=True), str(tmp_path / "t"), "cmd",
               norms=("pre", "post"), regimes=(("exact", "cosine"),), lrs=[1e-3, 1e-2])
-    record = json.loads((tmp_path / "t" / "compare.json").read_text(encoding="utf-8"))
+    record = load(tmp_path / "t" / "compare.json")
     runs = [(r["config"]["norm"], r["config"]["lr"], r["config"]["seed"]) for r in record["runs"]]
     chosen = record["chosen_lr"]
     assert len(runs) == 2 * 2 + 2 * 1 and set(chosen) == {"pre, exact, cosine",
                                                           "post, exact, cosine"}
     for norm in ("pre", "post"):
-        first = {lr: R.summarize(r["ema"], 2)["tvd_train"] for r in record["runs"]
-                 for lr in [r["config"]["lr"]] if r["config"]["norm"] == norm
-                 and r["config"]["seed"] == 0}
-        assert chosen[f"{norm}, exact, cosine"] == min(first, key=first.get)
-        assert {s for n, lr, s in runs if n == norm and lr == chosen[f"{norm}, exact, cosine"]} \
-            == {0, 1}
-    text = (tmp_path / "t" / "compare.md").read_text(encoding="utf-8")
+        first = {r["config"]["lr"]: R.summarize(r["ema"], 2)["tvd_train"] for r in record["runs"]
+                 if r["config"]["norm"] == norm and r["config"]["seed"] == 0}
+        best = chosen[f"{norm}, exact, cosine"]
+        assert best == min(first, key=first.get)
+        assert {s for n, lr, s in runs if n == norm and lr == best} == {0, 1}
+    text = read(tmp_path / "t" / "compare.md")
     assert "per layer" in text and "| exact, cosine | `post` | 2 |" in text
     assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
     R.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
-    text = (tmp_path / "suite.md").read_text(encoding="utf-8")
+    text = read(tmp_path / "suite.md")
     assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
     assert text.isascii() and capsys.readouterr().out.isascii()
 
@@ -1907,8 +1900,8 @@ def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
     base = R.Config(vocab=6, train_len=3, n_embd=8, steps=3, batch_size=4, device="cpu")
     R.alternatives(base, str(tmp_path), "cmd")
-    text = (tmp_path / "alternatives.md").read_text(encoding="utf-8")
-    assert all(f"| {name} | EMA 0.999 |" in text for name in R.ALTERNATIVES)
+    assert all(f"| {name} | EMA 0.999 |" in read(tmp_path / "alternatives.md")
+               for name in R.ALTERNATIVES)
     drawn = R.search_configs(40, 0)
     for pre, pre_final, post in drawn:   # the pre-registered ranges; arms differ only in norm
         v = pre.vocab
@@ -1930,10 +1923,9 @@ def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
         for g in (tuned if lrs else drawn)[:n]]
     monkeypatch.setattr(R, "search_configs", small)
     R.search(base, str(tmp_path), 3, "cmd")
-    summary = json.loads((tmp_path / "search.json").read_text(encoding="utf-8"))["summary"]
-    assert summary["pre-final"]["ema"]["all"]["n"] == 3
+    assert load(tmp_path / "search.json")["summary"]["pre-final"]["ema"]["all"]["n"] == 3
     R.search(base, str(tmp_path / "t"), 2, "cmd", lrs=[1e-3, 1e-2])
-    record = json.loads((tmp_path / "t" / "search.json").read_text(encoding="utf-8"))
+    record = load(tmp_path / "t" / "search.json")
     assert len(record["runs"]) == 8 and set(record["summary"]) == {"pre-final"}
     assert capsys.readouterr().out.isascii()
 
@@ -2013,7 +2005,7 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
     skip_rendering(monkeypatch)
     R.main(["--vocab", "3", "--train-len", "2", "--out", str(tmp_path)] + SMALL)
     assert "extrapolation none" in capsys.readouterr().out
-    m = json.loads((tmp_path / "metrics.json").read_text(encoding="utf-8"))
+    m = load(tmp_path / "metrics.json")
     assert m["summary"]["tvd_extrap"] is None and len(m["tvd"]) == 2
 
 
@@ -2111,7 +2103,8 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     skip_rendering(monkeypatch)
     monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
     argv = ["--compare", "--norms", "pre,post", "--regimes", "exact/cosine"] + SMALL
-    R.main(argv + ["--out", str(tmp_path / "whole")])
+    cut, whole = tmp_path / "cut", tmp_path / "whole"
+    R.main(argv + ["--out", str(whole)])
     trained, real = [], R.train_and_evaluate
 
     def counted(cfg, *a, **k):
@@ -2122,20 +2115,19 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     monkeypatch.setattr(R, "train_and_evaluate", counted)
     resuming = False
     with pytest.raises(SystemExit):
-        R.main(argv + ["--out", str(tmp_path / "cut")])
+        R.main(argv + ["--out", str(cut)])
     assert "--resume keeps the finished runs" in capsys.readouterr().err
-    text = lambda *path: tmp_path.joinpath(*path).read_text(encoding="utf-8")  # noqa: E731
-    assert len(text("cut", "compare.runs.jsonl").splitlines()) == 2
-    with open(tmp_path / "cut" / "compare.runs.jsonl", "a", encoding="utf-8") as f:
+    assert len(read(cut / "compare.runs.jsonl").splitlines()) == 2
+    with open(cut / "compare.runs.jsonl", "a", encoding="utf-8") as f:
         f.write('{"config": {"vocab": 3')   # a third line, cut short by a kill: dropped
     resuming = True
-    R.main(argv + ["--out", str(tmp_path / "cut"), "--resume"])
-    assert len(trained) == 6 and not (tmp_path / "cut" / "compare.runs.jsonl").exists()
-    assert "worker process(es), 2 of them resumed from an interrupted command" in text(
-        "cut", "compare.md")
-    whole, cut = (json.loads(text(d, "compare.json")) for d in ("whole", "cut"))
-    assert cut["runs"] == whole["runs"] and cut["summary"] == whole["summary"]
-    assert "--resume" not in text("cut", "compare.md").splitlines()[0]
+    R.main(argv + ["--out", str(cut), "--resume"])
+    assert len(trained) == 6 and not (cut / "compare.runs.jsonl").exists()
+    report, (once, twice) = read(cut / "compare.md"), (load(d / "compare.json") for d in (whole,
+                                                                                         cut))
+    assert "worker process(es), 2 of them resumed from an interrupted command" in report
+    assert "--resume" not in report.splitlines()[0]
+    assert twice["runs"] == once["runs"] and twice["summary"] == once["summary"]
 
 
 def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
@@ -2340,7 +2332,6 @@ def test_post_against_pre_final_at_2l_is_outside_seed_noise_in_every_regime_and_
     summary, lower = load("plots/compare.json")["summary"], {}
     for regime in summary:
         post, final = (cell(summary, regime, n, over=list) for n in ("post", "pre-final"))
-
         assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
         assert max(post) < min(final) or max(final) < min(post)
         lower[regime] = "post" if max(post) < min(final) else "pre-final"
@@ -2503,7 +2494,6 @@ SPLITS = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate",
 
 
 def test_notebook_search_numbers_match_plots_search_json():
-
     record = load("plots/search.json")
     h, configs = record["summary"], [R.Config(**r["config"]) for r in record["runs"]]
     assert len(record["runs"]) == 3 * R.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == R.SEARCH_N
@@ -2887,19 +2877,15 @@ def test_a_grader_names_its_file_refuses_a_non_module_and_gives_up_on_a_loop(tmp
 def test_the_handout_stands_alone_and_holds_no_answer(tmp_path, capsys):
     R.main(["--handout", "--out", str(tmp_path)])
     assert sorted(os.listdir(tmp_path)) == ["exercises.md", "grade.py", "starter.py"]
-    text = (tmp_path / "exercises.md").read_text(encoding="utf-8")
-    starter = (tmp_path / "starter.py").read_text(encoding="utf-8")
-    grade = (tmp_path / "grade.py").read_text(encoding="utf-8")
+    text, starter, grade = (read(tmp_path / f) for f in ("exercises.md", "starter.py", "grade.py"))
     answers = read("README.md").split("\n## Answers", 1)[1].split("\n## ", 1)[0]
     assert "## Answers" not in text and "For the teacher" not in text and "](" not in text
     assert "README" not in text and "resharpen.py" not in text.replace("python resharpen.py", "")
-    for n in range(1, 12):
-        assert f"### Exercise {n}." in text
+    assert all(f"### Exercise {n}." in text for n in range(1, 12))
     for line in answers.splitlines():   # no sentence of the answers leaks into the hand-out
         if len(line) > 40:
             assert line not in text, line
-    for n in (1, 2, 3):
-        assert f'NotImplementedError("Exercise {n}:' in starter
+    assert all(f'NotImplementedError("Exercise {n}:' in starter for n in (1, 2, 3))
     assert "WRONG_CODE" not in grade and "def test_write_post" in grade and "Answers" not in starter
     # No line of grade.py or starter.py computes an answer, in any spelling we can foresee:
     # spaces, comments and the object a name is read from (self., block., M., F.) dropped.
