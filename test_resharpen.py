@@ -405,14 +405,6 @@ def expect_exit_2(argv, flag, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
 
-def readme_exercise_commands():
-    """Every `python starter.py ...` line in the README's Exercises section (the reference
-    runs them here: the completed starter is the same script)."""
-    section = read("README.md").split("## Exercises", 1)[1].split("\n## ", 1)[0]
-    return [shlex.split(line)[2:] for line in section.splitlines()
-            if line.startswith("python starter.py")]
-
-
 def student_file(tmp_path, monkeypatch, source):
     (tmp_path / "mine.py").write_text(source, encoding="utf-8")
     monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
@@ -466,10 +458,8 @@ def test_lemma_0_two_or_three_basis_vectors_equal_to_a_constant(v):
         assert null_space((eye[list(tokens)] @ P).T).shape[1] == 0
     for tokens in itertools.permutations(range(v), 3):
         N = null_space((eye[list(tokens)] @ P).T)
-        if v >= 4:
-            assert N.shape[1] == 0
-        else:
-            assert N.shape[1] == 1 and (N[:, 0] - N[0, 0]).abs().max() < 1e-12
+        assert N.shape[1] == 0 if v >= 4 else (
+            N.shape[1] == 1 and (N[:, 0] - N[0, 0]).abs().max() < 1e-12)
 
 # ---- Part 1: the model ----------------------------------------------------------------------
 
@@ -743,10 +733,9 @@ def test_bos_changes_the_uniform_entropy_to_log_s_plus_1():
 
 @pytest.mark.parametrize("gamma", [1.3, 0.0, -0.7])
 def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma):
-    # Section 2.4: for balanced logits of margin m (any
-    # sign) TVD = pi = s / (s + (v - s) e^m) and KL(p* || q) = -log(1 - pi). The margin is
-    # the model's own (balance checked on random inputs, m from its logits), pi is computed
-    # here, and evaluate()'s tvd, invalid_mass and kl must all match it.
+    # Section 2.4: for balanced logits of margin m (any sign) TVD = pi = s / (s + (v - s) e^m)
+    # and KL(p* || q) = -log(1 - pi). The margin is the model's own (balance checked on random
+    # inputs, m from its logits), pi is computed here, and evaluate() must match it.
     v = 12
     for norm in R.NORMS:
         model = R.hand_built(v, norm, gamma)
@@ -856,10 +845,9 @@ def test_balance_at_lengths_1_and_2_gives_f_for_any_convex_weights_and_the_1_ove
 
 
 def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
-    # The width-(v-1) model with an own-key bonus b (split alpha = 1/(1 + e^b) != 1/2),
-    # built in the script's Transformer: at every length its logits are
-    # -m_1 e_y - delta sum a_i (e_(t_i) - e_y) up to a constant, with its own attention
-    # weights a (read from the model), m_1 = 2 m_2, delta = m_2 / alpha.
+    # The width-(v-1) model with an own-key bonus b (split alpha = 1/(1 + e^b) != 1/2): at every
+    # length its logits are -m_1 e_y - delta sum a_i (e_(t_i) - e_y) up to a constant, with its
+    # own attention weights a, m_1 = 2 m_2, delta = m_2 / alpha.
     v, b, m2, eye = 6, 1.0, 1.0, torch.eye(6, dtype=DT)
     alpha, model = 1 / (1 + math.exp(b)), uneven_split_model(v, b, m2)[0]
     delta, m1, P, perm = m2 / alpha, 2 * m2, eye - 1.0 / v, permutations(3, v)[:, : v - 1]
@@ -891,12 +879,10 @@ def test_symmetric_but_pair_dependent_splits_admit_no_balanced_model():
 
 
 def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
-    # Corollary 2 on models built in the Transformer: scores depending on the token pair only (an
-    # own-key bonus Delta), U and W_V set to Theorem 1's balanced solution for the split alpha the
-    # model itself shows at length 2. Every such model is balanced at lengths 1 and 2 (margins 2
-    # alpha and alpha); at length 3 its weights are Lemma A's Omega / (1 + 2 Omega) (Omega = alpha
-    # / (1 - alpha) read off length 2), its logits are Theorem 2's -m_1 e_y - delta sum_i a_i
-    # (e_(t_i) - e_y), and it is balanced there only for Delta = 0, alpha = 1/2.
+    # Corollary 2 on pair_score_model, set to Theorem 1's solution for the split alpha it shows
+    # at length 2: balanced at lengths 1 and 2; at length 3 its weights are Lemma A's Omega /
+    # (1 + 2 Omega) (Omega = alpha / (1 - alpha)), its logits Theorem 2's -m_1 e_y - delta
+    # sum_i a_i (e_(t_i) - e_y), balanced only for Delta = 0, alpha = 1/2.
     v, eye = 6, torch.eye(6, dtype=DT)
     triples = permutations(6, v, seed=3)[:, :3]
     for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
@@ -1092,11 +1078,10 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
 
 
 def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
-    # The 2v - 2 construction, mixed by a random invertible map of the feature space
-    # (E -> E M, W_V W_O -> M^-1 W M, U -> M^-1 U: same logits), built in the script's
-    # Transformer: balanced at lengths 1 and 2 with the even split; then the span of the
-    # embedding differences has dimension >= v - 1, lies in N = {z : z U P = 0}, and
-    # rank(U P) = v - 1, so n = dim N + rank(UP) >= 2v - 2 (here with equality).
+    # The 2v - 2 construction, mixed by a random invertible map of the feature space (E -> E M,
+    # W_V W_O -> M^-1 W M, U -> M^-1 U: same logits): balanced at lengths 1 and 2 with the even
+    # split; then the span of the embedding differences has dimension >= v - 1, lies in
+    # N = {z : z U P = 0}, and rank(U P) = v - 1, so n = dim N + rank(UP) >= 2v - 2 (here =).
     v, delta = 5, 1.3
     n, P = 2 * v - 2, torch.eye(v, dtype=DT) - 1.0 / v
     E, W, U = width_2v_minus_2(v, delta)
@@ -1119,8 +1104,7 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
     # Appendix A: with B = 0, Theorem 1(d) forces alpha = 1/2 (no solution with m_2 != 0 for
     # alpha != 1/2). A model whose logits read only the attention output (no residual path
     # to U, so B = 0) needs only n = v - 1: E = Q, W_V W_O = I, U = -delta Q^T gives
-    # f = -delta sum a_i Q[t_i] Q^T == -(delta / s) 1_t with uniform attention. Computed with
-    # the script's attention module (W_Q = W_K = 0), whose output alone is read by U.
+    # f = -delta sum a_i Q[t_i] Q^T == -(delta / s) 1_t with uniform attention (W_Q = W_K = 0).
     v = 5
     for alpha, ok in [(0.5, True), (0.3, False), (0.7, False)]:
         N = null_space(balance_equations(v, [[alpha] * v] * v, B_zero=True))
@@ -1163,11 +1147,10 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
 
 @pytest.mark.parametrize("v", [15, 16])
 def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
-    # Theorem 3 on hand_built(v, 'post', gamma), built in
-    # the Transformer, at eps = 0: balanced at every length (checked on random inputs), and
-    # its margin and evaluate()'s logit_gap equal gamma sqrt(n/v) v / sqrt(s (v - s)), n = 2v,
-    # never below 2 gamma sqrt(n/v), reached only at s = v/2 (v even). With values not
-    # centred over the vocabulary the margin is n / sqrt(s (n - s)) instead (Appendix B.2).
+    # Theorem 3 on hand_built(v, 'post', gamma) at eps = 0: balanced at every length, and its
+    # margin and evaluate()'s logit_gap equal gamma sqrt(n/v) v / sqrt(s (v - s)), n = 2v, never
+    # below 2 gamma sqrt(n/v), reached only at s = v/2 (v even). With values not centred over
+    # the vocabulary the margin is n / sqrt(s (n - s)) instead (Appendix B.2).
     gamma, n = 0.7, 2 * v
     model = eps_0(R.hand_built(v, "post", gamma))
     m = margins_at_every_length(model, v, n_perm=4)
@@ -1177,10 +1160,8 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
         assert m[s - 1] == pytest.approx(want, rel=1e-10)
         assert gap[s - 1] == pytest.approx(want, rel=1e-10)
         assert R.predicted_margin(v, "post", s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
-        if 2 * s == v:
-            assert m[s - 1] == pytest.approx(floor, rel=1e-10)
-        else:
-            assert m[s - 1] > floor * (1 + 1e-6)
+        assert (m[s - 1] == pytest.approx(floor, rel=1e-10) if 2 * s == v
+                else m[s - 1] > floor * (1 + 1e-6))
 
 
 def test_theorem_3_holds_at_its_smallest_width_2v_minus_1():
@@ -1775,9 +1756,8 @@ def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b
 
 
 def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
-    # E2's model, in the script's Transformer with --bos: B = -d, D = -delta I + d, BOS value d
-    # (d != 0), BOS score b above the others: balanced with margin delta / (e^b + s) = m_1
-    # (e^b + 1) / (e^b + s) at every length.
+    # E.3's model (bos_sink_model: B = -d, D = -delta I + d, BOS value d != 0, BOS score b above
+    # the others): balanced with margin delta / (e^b + s) = m_1 (e^b + 1) / (e^b + s) everywhere.
     v, b, delta = 6, 1.2, 2.5
     model = bos_sink_model(v, b, delta)
     m, e = margins_at_every_length(model, v), math.exp(b)
@@ -2588,23 +2568,23 @@ def test_readme_gives_the_number_of_tests():
     assert f"`python -m pytest -q` runs {n} tests" in flat("README.md")
 
 
-def test_readme_has_the_exercise_commands():
-    assert len(readme_exercise_commands()) >= 15
-
-
 def test_exercise_commands_still_run(tmp_path, capsys, monkeypatch):
-    # Every exercise's command is accepted; one of each set of flags (sizes aside) runs for 3
-    # steps, into a temporary folder, with figures built but not rendered (rendering is tested
-    # elsewhere).
+    # Every `python starter.py ...` line in the README's Exercises section (at least 15; the
+    # reference runs them here: the completed starter is the same script) is accepted; one of
+    # each set of flags (sizes aside) runs for 3 steps, into a temporary folder, with figures
+    # built but not rendered (rendering is tested elsewhere).
+    section = read("README.md").split("## Exercises", 1)[1].split("\n## ", 1)[0]
+    commands = [shlex.split(line)[2:] for line in section.splitlines()
+                if line.startswith("python starter.py")]
+    assert len(commands) >= 15
     skip_rendering(monkeypatch)
-    seen = set()
-    for argv in readme_exercise_commands():
+    seen, sizes = set(), {"--vocab", "--train-len", "--n-embd", "--batch-size", "--steps", "--seed"}
+    for argv in commands:
         for flag in ("--out", "--save"):
             if flag in argv:
                 i = argv.index(flag)
                 argv[i + 1] = str(tmp_path / os.path.basename(argv[i + 1]))
         argv += ["--steps", "3", "--device", "cpu"]
-        sizes = {"--vocab", "--train-len", "--n-embd", "--batch-size", "--steps", "--seed"}
         flags = frozenset(a for a in argv if a.startswith("--")) - sizes   # code paths
         if flags in seen:
             R.check_args(R.build_parser().parse_args(argv), R.build_parser())
