@@ -1833,42 +1833,9 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
 # ---- Part 2: the grids and their statistics -------------------------------------------------
 
 
-def test_comparison_tuned_deep_and_suite_run_end_to_end(tmp_path, monkeypatch, capsys):
+def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     skip_rendering(monkeypatch)
     monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)   # in this process
-    monkeypatch.setattr(R, "SUITE_SEEDS", 2)
-    monkeypatch.setattr(R, "COMPARE_SEEDS", 2)
-    monkeypatch.setattr(R, "REGIMES", (("sampled", "constant"),))   # all 4: committed-table test
-    base = R.Config(vocab=6, train_len=2, n_embd=8, steps=2, batch_size=2, device="cpu")
-    R.compare(base, str(tmp_path), "cmd")
-    assert {"compare.md", "compare.json", "compare_norms.png", "compare_regimes.png"} <= set(
-        os.listdir(tmp_path))
-    # Tuned rates (every rate on the first seed, the best one on the others), two layers:
-    R.compare(R.replace(base, n_layer=2, mlp=True), str(tmp_path / "t"), "cmd",
-              norms=("pre", "post"), regimes=(("exact", "cosine"),), lrs=[1e-3, 1e-2])
-    record = load(tmp_path / "t" / "compare.json")
-    runs = [(r["config"]["norm"], r["config"]["lr"], r["config"]["seed"]) for r in record["runs"]]
-    chosen = record["chosen_lr"]
-    assert len(runs) == 2 * 2 + 2 * 1 and set(chosen) == {"pre, exact, cosine",
-                                                          "post, exact, cosine"}
-    for norm in ("pre", "post"):
-        first = {r["config"]["lr"]: R.summarize(r["ema"], 2)["tvd_train"] for r in record["runs"]
-                 if r["config"]["norm"] == norm and r["config"]["seed"] == 0}
-        best = chosen[f"{norm}, exact, cosine"]
-        assert best == min(first, key=first.get)
-        assert {s for n, lr, s in runs if n == norm and lr == best} == {0, 1}
-    text = read(tmp_path / "t" / "compare.md")
-    assert "per layer" in text and "| exact, cosine | `post` | 2 |" in text
-    assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
-    R.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
-    text = read(tmp_path / "suite.md")
-    assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
-    assert text.isascii() and capsys.readouterr().out.isascii()
-
-
-def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
-    skip_rendering(monkeypatch)
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
     base = R.Config(vocab=6, train_len=3, n_embd=8, steps=3, batch_size=4, device="cpu")
     R.alternatives(base, str(tmp_path), "cmd")
     assert all(f"| {name} | EMA 0.999 |" in read(tmp_path / "alternatives.md")
@@ -1899,6 +1866,34 @@ def test_alternatives_and_search_run_end_to_end(tmp_path, monkeypatch, capsys):
     record = load(tmp_path / "t" / "search.json")
     assert len(record["runs"]) == 8 and set(record["summary"]) == {"pre-final"}
     assert capsys.readouterr().out.isascii()
+    monkeypatch.setattr(R, "SUITE_SEEDS", 2)
+    monkeypatch.setattr(R, "COMPARE_SEEDS", 2)
+    monkeypatch.setattr(R, "REGIMES", (("sampled", "constant"),))   # all 4: committed-table test
+    base = R.Config(vocab=6, train_len=2, n_embd=8, steps=2, batch_size=2, device="cpu")
+    R.compare(base, str(tmp_path), "cmd")
+    assert {"compare.md", "compare.json", "compare_norms.png", "compare_regimes.png"} <= set(
+        os.listdir(tmp_path))
+    # Tuned rates (every rate on the first seed, the best one on the others), two layers:
+    R.compare(R.replace(base, n_layer=2, mlp=True), str(tmp_path / "t"), "cmd",
+              norms=("pre", "post"), regimes=(("exact", "cosine"),), lrs=[1e-3, 1e-2])
+    record = load(tmp_path / "t" / "compare.json")
+    runs = [(r["config"]["norm"], r["config"]["lr"], r["config"]["seed"]) for r in record["runs"]]
+    chosen = record["chosen_lr"]
+    assert len(runs) == 2 * 2 + 2 * 1 and set(chosen) == {"pre, exact, cosine",
+                                                          "post, exact, cosine"}
+    for norm in ("pre", "post"):
+        first = {r["config"]["lr"]: R.summarize(r["ema"], 2)["tvd_train"] for r in record["runs"]
+                 if r["config"]["norm"] == norm and r["config"]["seed"] == 0}
+        best = chosen[f"{norm}, exact, cosine"]
+        assert best == min(first, key=first.get)
+        assert {s for n, lr, s in runs if n == norm and lr == best} == {0, 1}
+    text = read(tmp_path / "t" / "compare.md")
+    assert "per layer" in text and "| exact, cosine | `post` | 2 |" in text
+    assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
+    R.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
+    text = read(tmp_path / "suite.md")
+    assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
+    assert text.isascii() and capsys.readouterr().out.isascii()
 
 
 def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
