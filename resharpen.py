@@ -331,10 +331,10 @@ def evaluate(model, n_perm=None, task=None):
         logq = F.log_softmax(logits, dim=-1)
         q = logq.exp()
         # Exercise 3: TVD = sum_j max(q_j - p*_j, 0), the excess of q over p* (= half the L1
-        # distance, which float64 halves at 1e-26: exercises.md); the mass on the seen tokens.
+        # distance, which float64 halves at 1e-26: exercises.md); the mass on the seen tokens
+        # (p* = 0); the mean logit of the unseen tokens minus the mean logit of the seen ones.
         tvd = (q - p).clamp_min(0).sum(-1)
         invalid = (q * seen).sum(-1)
-        # Mean logit of the unseen tokens minus mean logit of the seen ones (theory.md, 1).
         gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)
                - (logits * seen).sum(-1) / seen.sum(-1))
         # end of Exercise 3
