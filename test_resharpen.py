@@ -1982,10 +1982,9 @@ BAD_INPUT = [   # argv, and after " | " the flag its one line names where that i
     "--compare --suite | --suite", "--resume", "--theory --resume | --resume",
     "--compare --vocab 8 --train-len 4 | --train-len", "--save SAVE/sub/", "--save ''",
     "--save SAVE/m.pt --theory", "--save /proc/nope/ck.pt",
-    "--save SAVE",                                      # an existing folder
-    "--save SAVE/o --out SAVE/o",                       # the folder --out makes
-    "--save SAVE/new/metrics.json", "--save SAVE/o/length.png --out SAVE/o",   # files it writes
-    f"--out SAVE/{'x' * 300}",                          # a name too long
+    # --save: an existing folder, the folder --out makes, files the run writes; a name too long
+    "--save SAVE", "--save SAVE/o --out SAVE/o", "--save SAVE/new/metrics.json",
+    "--save SAVE/o/length.png --out SAVE/o", f"--out SAVE/{'x' * 300}",
     "--seed -1", f"--seed {2**64}", "--n-layer 100000", "--batch-size 10000000",
     # the memory estimate: the model's, exact targets' tensors, Dyck's evaluation's attention
     "--vocab 1024 --train-len 1023 | --batch-size",
@@ -1994,13 +1993,12 @@ BAD_INPUT = [   # argv, and after " | " the flag its one line names where that i
     "--task dyck --train-len 256 --n-layer 16 --n-head 64 --batch-size 1 | --batch-size",
     "--task dyck --train-len 1000 | --train-len", "--task dyck --vocab 9 | --vocab",
     "--theory --steps 5 | --steps", "--compare --post-norm | --norm", "--suite --vocab 9 | --vocab",
-    "--ste 5",                                          # no abbreviations: one spelling per flag
-    "--norm pre --post-norm | --post-norm", "--ema 0.9 --bema | --bema", "--attn-scale cubic",
-    "--dropout 0.1",                                    # not a flag: no documented command used it
-    "--search 0", "--search 4 --vocab 8 | --vocab", "--lrs 0.1,2",
-    "--lrs 0.1",                                        # a single run: --lr
-    "--compare --norms pre,middle | --norms", "--compare --regimes sampled/linear | --regimes",
-    "--suite --train-len 1024 | --train-len",           # the suite's own limit
+    # no abbreviations (one spelling per flag); --dropout is no flag (no documented command used
+    # it); a single run takes --lr, not --lrs; --suite's and --theory's own limits
+    "--ste 5", "--norm pre --post-norm | --post-norm", "--ema 0.9 --bema | --bema",
+    "--attn-scale cubic", "--dropout 0.1", "--search 0", "--search 4 --vocab 8 | --vocab",
+    "--lrs 0.1,2", "--lrs 0.1", "--compare --norms pre,middle | --norms",
+    "--compare --regimes sampled/linear | --regimes", "--suite --train-len 1024 | --train-len",
     "--theory --vocab 1024 --train-len 900 | --vocab",
     f"--device {'mps' if torch.cuda.is_available() else 'cuda'}"]   # none here
 
@@ -2244,7 +2242,7 @@ def test_notebook_tables_are_copied_from_the_generated_tables():
                         glob.glob(os.path.join(HERE, "plots", "**", "*.md"), recursive=True)
                         if not f.endswith("README.md"))
     rows = [line for line in read("plots/README.md").splitlines()
-            if re.match(r"\| (`|placement|Dyck|Shuffle|language|layers|\d+ \|)", line)]
+            if re.match(r"\| (`|placement|Dyck|Shuffle|language|layers|rival|\d+ \|)", line)]
     assert len(rows) >= 20
     for row in rows:
         assert row in generated, row
@@ -2271,8 +2269,7 @@ def test_the_laws_in_the_trained_models_match_plots_compare_json():
     # the trained delta predicts the error: pi(s) with each seed's mean gap x s
     predicted = [[s / (s + (v - s) * math.exp(sum(g * t for t, g in enumerate(m["logit_gap"], 1))
                                               / 31 / s)) for s in range(1, 32)] for m in ema("pre")]
-    measured = [m["tvd"] for m in ema("pre")]
-    at = lambda curves, s: sum(c[s - 1] for c in curves) / 3  # noqa: E731
+    measured, at = [m["tvd"] for m in ema("pre")], lambda curves, s: mean([c[s - 1] for c in curves])
     beyond = lambda curves: sum(at(curves, s) for s in range(13, 32)) / 19  # noqa: E731
     order = ("post", "pre-final", "post-residual", "pre")
     means = [cell(record["summary"], sc, n, column="mean, s = 13..31") for n in order]
@@ -2291,78 +2288,8 @@ def test_the_laws_in_the_trained_models_match_plots_compare_json():
         "mean TVD over $s = 13..31$: " + ", ".join(f"{x:.3f}" for x in means) + "; at 2 L: "
         + ", ".join(f"{x:.4f}" for x in at_2l),
         f"the grid itself took {record['wall_seconds']:.0f} s"])
-
-
-def test_post_against_pre_final_at_2l_is_outside_seed_noise_in_every_regime_and_flips():
-    # Lab notebook, section 1, "Strength"; the README's "no consistent winner".
-    summary, lower = load("plots/compare.json")["summary"], {}
-    for regime in summary:
-        post, final = (cell(summary, regime, n, over=list) for n in ("post", "pre-final"))
-        assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
-        assert max(post) < min(final) or max(final) < min(post)
-        lower[regime] = "post" if max(post) < min(final) else "pre-final"
-    assert lower == {"sampled, constant": "post", "sampled, cosine": "post",
-                     "exact, constant": "pre-final", "exact, cosine": "pre-final"}
-    assert "each regime's order is far outside seed noise" in flat("plots/README.md")
-
-
-def test_the_readme_findings_match_their_json():
-    compare, sc, ec = load("plots/compare.json")["summary"], "sampled, constant", "exact, cosine"
-    two_l = {n: cell(compare, sc, n) for n in R.NORMS}
-    for regime in compare:   # "`pre` is the worst placement in every regime"
-        assert max(R.NORMS, key=lambda n: cell(compare, regime, n)) == "pre"
-    for regime in ("exact, constant", ec):   # "`pre-final` lower with exact ones"
-        assert cell(compare, regime, "pre-final") < cell(compare, regime, "post")
-    ratios = [cell(compare, sc, n, "raw", "training lengths")
-              / cell(compare, sc, n, "ema", "training lengths") for n in R.NORMS]
-    assert round(min(ratios)) == 3 and round(max(ratios)) == 6
-    search = load("plots/search.json")["summary"]
-    P, A = search["pre-final"]["ema"]["all"], search["pre"]["ema"]["all"]
-    tuned = load("plots/tuned/compare.json")["summary"]
-    T = load("plots/search_tuned/search.json")["summary"]["pre-final"]["ema"]["all"]
-    long = load("plots/long/compare.json")["summary"]
-    at_4l = {n: cell(long, sc, n, column="s = 60 (4 L)") for n in ("pre", "pre-final", "post")}
-    assert at_4l["post"] < at_4l["pre-final"] < at_4l["pre"]
-    assert all(cell(long, ec, "pre-final", column=c) < cell(long, ec, n, column=c)
-               for c in long[ec]["pre"]["ema"] for n in ("pre", "post"))
-    alternatives = read("plots/alternatives.md")
-    bos, plain = (next(line for line in alternatives.splitlines()
-                       if line.startswith(f"| {name} | EMA 0.999 |")).split(" | ")[3].split(" +- ")[0]
-                  for name in ("pre + BOS", "pre"))
-    suite = [line for line in read("plots/suite.md").splitlines() if "` - `post` |" in line]
-    assert len(suite) == 4 and all(line.endswith("| no |") for line in suite)
-    findings = flat("README.md").split("## Findings", 1)[1].split("## Tests and flags", 1)[0]
-    for fragment in [
-            f"at 2 L `pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f}",
-            f"sampled targets ({two_l['post']:.3f} against {two_l['pre-final']:.3f})",
-            "it cuts the training-length TVD 3 to 6 times",
-            f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations",
-            f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
-            f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})",
-            f"`pre-final` ahead of `post` at 2 L ({cell(tuned, sc, 'pre-final'):.3f} against "
-            f"{cell(tuned, sc, 'post'):.3f})",
-            f"No detectable difference (median ratio {T['median_ratio']:.2f})",
-            f"its interval {T['median_ratio_95'][0]:.2f}–{T['median_ratio_95'][1]:.2f}",
-            f"`post` {at_4l['post']:.2f}, `pre` {at_4l['pre']:.2f}, `pre-final` between",
-            f"a BOS sink helps a little ({bos} against {plain}, mean TVD over s = 13..31)",
-            "no difference is distinguishable from seed noise, not even against `pre`"]:
-        assert fragment in findings, fragment
-
-
-def test_readme_main_command_output_is_what_plots_metrics_json_holds():
-    m = load("plots/metrics.json")
-    assert m["config"]["norm"] == "post" and m["config"]["ema"] == 0.999   # the main command
-    readme = read("README.md")
-    assert R.format_table(m, m["config"]["train_len"], m["raw"]) in readme
-    s, r = m["summary"], m["raw"]["summary"]
-    assert (f"mean TVD: training lengths {s['tvd_train']:.4f} | extrapolation 13..31 "
-            f"{s['tvd_extrap']:.4f}   (raw weights: {r['tvd_train']:.4f} | "
-            f"{r['tvd_extrap']:.4f})") in readme
-
-
-def test_notebook_ema_paragraph_matches_the_comparison():
-    summary = load("plots/compare.json")["summary"]
-    sc, train, beyond = "sampled, constant", "training lengths", "mean, s = 13..31"
+    # the EMA paragraph
+    summary, train, beyond = record["summary"], "training lengths", "mean, s = 13..31"
     at = lambda norm, avg, col: f"{cell(summary, sc, norm, avg, col):.4f}"  # noqa: E731
     assert_quoted([f"`post` {at('post', 'raw', train)} \u2192 {at('post', 'ema', train)}",
                    f"`pre` {at('pre', 'raw', train)} \u2192 {at('pre', 'ema', train)}",
@@ -2382,25 +2309,79 @@ def test_notebook_ema_paragraph_matches_the_comparison():
                         cell(summary, regime, n, "bema", beyond)) for n in R.NORMS}
         assert all(b > 3 * e for n, (e, b) in ema_bema.items() if n != "pre")
         assert ema_bema["pre"][1] < ema_bema["pre"][0]
-    assert [(r, summary[r]["crossover"]["ema"]) for r in summary] == [
-        ("sampled, constant", 20), ("sampled, cosine", 22), ("exact, constant", 31),
-        ("exact, cosine", None)]
 
 
-def test_notebook_tuned_numbers_match_their_json():
-    tuned, sc = load("plots/tuned/compare.json"), "sampled, constant"
+def test_the_readme_findings_match_their_json():
+    compare, sc, ec = load("plots/compare.json")["summary"], "sampled, constant", "exact, cosine"
+    two_l, lower = {n: cell(compare, sc, n) for n in R.NORMS}, {}
+    # post against pre-final at 2 L: outside seed noise in every regime, and the order flips
+    for regime in compare:
+        post, final = (cell(compare, regime, n, over=list) for n in ("post", "pre-final"))
+        assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
+        assert max(post) < min(final) or max(final) < min(post)
+        lower[regime] = "post" if max(post) < min(final) else "pre-final"
+    assert lower == {"sampled, constant": "post", "sampled, cosine": "post",
+                     "exact, constant": "pre-final", "exact, cosine": "pre-final"}
+    assert "each regime's order is far outside seed noise" in flat("plots/README.md")
+    for regime in compare:   # "`pre` is the worst placement in every regime"
+        assert max(R.NORMS, key=lambda n: cell(compare, regime, n)) == "pre"
+    for regime in ("exact, constant", ec):   # "`pre-final` lower with exact ones"
+        assert cell(compare, regime, "pre-final") < cell(compare, regime, "post")
+    ratios = [cell(compare, sc, n, "raw", "training lengths")
+              / cell(compare, sc, n, "ema", "training lengths") for n in R.NORMS]
+    assert round(min(ratios)) == 3 and round(max(ratios)) == 6
+    P, A = (load("plots/search.json")["summary"][n]["ema"]["all"] for n in ("pre-final", "pre"))
+    T = load("plots/search_tuned/search.json")["summary"]["pre-final"]["ema"]["all"]
+    tuned, long = load("plots/tuned/compare.json"), load("plots/long/compare.json")["summary"]
+    at_4l = {n: cell(long, sc, n, column="s = 60 (4 L)") for n in ("pre", "pre-final", "post")}
+    assert at_4l["post"] < at_4l["pre-final"] < at_4l["pre"]
+    assert all(cell(long, ec, "pre-final", column=c) < cell(long, ec, n, column=c)
+               for c in long[ec]["pre"]["ema"] for n in ("pre", "post"))
+    bos, plain = (next(line for line in read("plots/alternatives.md").splitlines()
+                       if line.startswith(f"| {name} | EMA 0.999 |")).split(" | ")[3].split(" +- ")[0]
+                  for name in ("pre + BOS", "pre"))
+    suite = [line for line in read("plots/suite.md").splitlines() if "` - `post` |" in line]
+    assert len(suite) == 4 and all(line.endswith("| no |") for line in suite)
+    findings = flat("README.md").split("## Findings", 1)[1].split("## Tests and flags", 1)[0]
+    for fragment in [
+            f"at 2 L `pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f}",
+            f"sampled targets ({two_l['post']:.3f} against {two_l['pre-final']:.3f})",
+            "it cuts the training-length TVD 3 to 6 times",
+            f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations",
+            f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
+            f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})",
+            f"`pre-final` ahead of `post` at 2 L ({cell(tuned['summary'], sc, 'pre-final'):.3f} "
+            f"against {cell(tuned['summary'], sc, 'post'):.3f})",
+            f"No detectable difference (median ratio {T['median_ratio']:.2f})",
+            f"its interval {T['median_ratio_95'][0]:.2f}–{T['median_ratio_95'][1]:.2f}",
+            f"`post` {at_4l['post']:.2f}, `pre` {at_4l['pre']:.2f}, `pre-final` between",
+            f"a BOS sink helps a little ({bos} against {plain}, mean TVD over s = 13..31)",
+            "no difference is distinguishable from seed noise, not even against `pre`"]:
+        assert fragment in findings, fragment
     chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
     t_post, t_final = ([mean(c) for c in zip(*[   # sampled, constant, at the chosen rate
         r["ema"]["tvd"] for r in tuned["runs"] if (r["config"]["norm"], r["config"]["lr"],
         r["config"]["targets"], r["config"]["lr_schedule"]) == (n, chosen[n], "sampled",
                                                                  "constant")])]
         for n in ("post", "pre-final"))
+    final, post = (cell(tuned["summary"], sc, n) for n in ("pre-final", "post"))
     assert_quoted([
-        "Chosen: " + ", ".join(f"`{n}` {chosen[n]:g}" for n in ("pre", "pre-final", "post")),
-        f"`post` below `pre-final` from s = {tuned['summary'][sc]['crossover']['ema']} "
-        f"(at s = 31: {t_post[30]:.3f} against {t_final[30]:.3f})"] + [
-        f"`{n}` {cell(tuned['summary'], sc, n, column='training lengths'):.4f} / "
-        f"{cell(tuned['summary'], sc, n):.4f}" for n in ("pre", "pre-final", "post")])
+        "The chosen rates differ: " + ", ".join(f"{chosen[n]:g} (`{n}`)"
+                                                for n in ("pre", "pre-final", "post")),
+        f"within a factor {post / final:.2f} ({final:.4f} and {post:.4f}, in `pre-final`'s favour)",
+        f"`post` is below `pre-final` from $s = {tuned['summary'][sc]['crossover']['ema']}$ and at "
+        f"$s = 31$ ({t_post[30]:.3f} against {t_final[30]:.3f})"])
+
+
+def test_readme_main_command_output_is_what_plots_metrics_json_holds():
+    m = load("plots/metrics.json")
+    assert m["config"]["norm"] == "post" and m["config"]["ema"] == 0.999   # the main command
+    readme = read("README.md")
+    assert R.format_table(m, m["config"]["train_len"], m["raw"]) in readme
+    s, r = m["summary"], m["raw"]["summary"]
+    assert (f"mean TVD: training lengths {s['tvd_train']:.4f} | extrapolation 13..31 "
+            f"{s['tvd_extrap']:.4f}   (raw weights: {r['tvd_train']:.4f} | "
+            f"{r['tvd_extrap']:.4f})") in readme
 
 
 def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkeypatch):
@@ -2409,8 +2390,7 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
     # the notebook and the README's depth finding.
     skip_rendering(monkeypatch)
     R.depth_sweep(os.path.join(HERE, "plots"), str(tmp_path))
-    table = read("plots/depth.md")
-    assert (tmp_path / "depth.md").read_text(encoding="utf-8") == table
+    assert read(tmp_path / "depth.md") == (table := read("plots/depth.md"))
     norms, sc, ec = ("pre", "pre-final", "post"), "sampled, constant", "exact, cosine"
     tvd, entropy, walls, ratios = {}, {}, {}, []
     for d in (1, 2, 3, 4):
@@ -2454,10 +2434,8 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
     four = [[f"{mean([mean(t[:12]) for t in tvd[4, f'{n}, {r}']]):.4f} / "
              f"{mean([t[23] for t in tvd[4, f'{n}, {r}']]):.4f}" for n in norms] for r in (sc, ec)]
     assert_quoted([
-        f"--out plots/depth2`: 30 runs, {walls[2] / 60:.0f} min",
+        *(f"--out plots/depth{d}`: 30 runs, {walls[d] / 60:.0f} min" for d in (1, 2, 3)),
         f"--out plots/depth4`: 30 runs, {walls[4] / 3600:.1f} h",
-        f"--out plots/depth1`: 30 runs, {walls[1] / 60:.0f} min",
-        f"--out plots/depth3`: 30 runs, {walls[3] / 60:.0f} min",
         f"{four[0][0]} (`pre`), {four[0][1]} (`pre-final`), {four[0][2]} (`post`) with sampled "
         f"targets and a constant rate; {', '.join(four[1])} with exact targets",
         f"The 30 runs took {walls[4] / 3600:.1f} hours",
@@ -2483,14 +2461,16 @@ def test_notebook_search_numbers_match_plots_search_json():
                        for row in (line.strip("| ").split(" | ") for line in losses[2:]))
     assert_quoted([
             f"`python resharpen.py --search {R.SEARCH_N} --out plots`",
-            f"`post` below `pre-final` in {P['post_wins']} of {P['n']} random configurations (95 % "
-            f"interval {P['win_rate_95'][0]:.2f} - {P['win_rate_95'][1]:.2f}), sign test p = "
-            f"{P['sign_p']:.2f}, Wilcoxon p = {P['wilcoxon_p']:.2f}, median ratio pre-final / post "
-            f"{P['median_ratio']:.2f} ({P['median_ratio_95'][0]:.2f} - "
-            f"{P['median_ratio_95'][1]:.2f}): the interval bounds `post`'s median advantage to at "
-            f"most {100 * (P['median_ratio_95'][1] - 1):.1f} %",
-            f"With raw weights {Q['post_wins']} of {Q['n']} (p = {Q['sign_p']:.2f})",
-            f"against `pre`, {A['post_wins']} of {A['n']} (median ratio {A['median_ratio']:.2f})",
+            f"won {P['post_wins']} of {P['n']} (95 % interval {P['win_rate_95'][0]:.2f} - "
+            f"{P['win_rate_95'][1]:.2f}; sign test p = {P['sign_p']:.2f}, Wilcoxon p = "
+            f"{P['wilcoxon_p']:.2f}; median ratio {P['median_ratio']:.2f}, interval "
+            f"{P['median_ratio_95'][0]:.2f} - {P['median_ratio_95'][1]:.2f})",
+            f"to at most {100 * (P['median_ratio_95'][1] - 1):.1f} % in `post`'s favour and at most "
+            f"{100 * (1 - P['median_ratio_95'][0]):.0f} % against it",
+            f"With raw weights it won {Q['post_wins']} of {Q['n']} (p = {Q['sign_p']:.2f}; median "
+            f"ratio {Q['median_ratio']:.2f})",
+            f"than `pre` in {A['post_wins']} of {A['n']} configurations (median ratio "
+            f"{A['median_ratio']:.2f})",
             splits.replace("$v$ 7 | 10", "$v$ 7 | 10 of 20", 1)])   # all six
 
 
@@ -2523,15 +2503,6 @@ def test_notebook_tuned_search_numbers_match_plots_search_tuned():
             "`python resharpen.py --search 24 --lrs 0.001,0.00316,0.01 --seed 1000 --out "
             "plots/search_tuned`",
             f"144 runs, {record['wall_seconds'] / 3600:.1f} h over two sessions",
-            f"`post` below `pre-final` in {P['post_wins']} of {P['n']} (95 % interval "
-            f"{P['win_rate_95'][0]:.2f} - {P['win_rate_95'][1]:.2f}), sign test p = "
-            f"{P['sign_p']:.2f}, Wilcoxon p = {P['wilcoxon_p']:.2f}, median ratio pre-final / post "
-            f"{P['median_ratio']:.2f} ({P['median_ratio_95'][0]:.2f} - "
-            f"{P['median_ratio_95'][1]:.2f}); raw weights {Q['post_wins']} of {Q['n']} "
-            f"(p = {Q['sign_p']:.2f}, median ratio {Q['median_ratio']:.2f}, "
-            f"{Q['median_ratio_95'][0]:.2f} - {Q['median_ratio_95'][1]:.2f}, Wilcoxon p = "
-            f"{Q['wilcoxon_p']:.1g}: `pre-final` ahead)",
-            f"`post` fits the training lengths worse in {worse} of 24",
             f"at 0.001 `post` is lower in {shared[0]['post_wins']} of 24 but also fits the training "
             f"lengths worse in {sum(r > 1 for r in fit)} of 24 (median training-TVD ratio "
             f"{sorted(fit)[11] / 2 + sorted(fit)[12] / 2:.2f}); at 0.01 it is lower in "
