@@ -160,8 +160,8 @@ class Block(nn.Module):
                 x = x + self.drop(self.mlp(self.ln_2(x)))
         elif self.norm == "post":
             a, att = self.attn(x)
-            # Exercise 2: the norm rescales the attention average back to unit size however
-            # many tokens it averaged: this is what resharpens (theory.md, section 4).
+            # Exercise 2: the norm gives the attention output unit spread over the features
+            # however many tokens it averaged: this is what resharpens (theory.md, section 4).
             x = x + self.ln_1(self.drop(a))
             if self.mlp:
                 x = x + self.ln_2(self.drop(self.mlp(x)))
