@@ -437,8 +437,7 @@ def test_next_token_is_uniform_over_unseen_tokens():
 
 
 def test_exact_target_matches_a_loop_over_tokens():
-    v = 6
-    task = R.SetComplement(R.Config(vocab=v))
+    v, task = 6, R.SetComplement(R.Config(vocab=6))
     idx = task.sample(10, v - 1, torch.Generator().manual_seed(2))
     p = task.target(idx)
     for b in range(idx.shape[0]):
@@ -754,8 +753,7 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
     # Balanced logits with margin m at length s: expected loss against the target (sampled
     # or exact) = -log q_unseen = log(v - s + s e^-m). Checked on hand_built('pre', gamma)
     # with torch's cross-entropy; it falls strictly as gamma (so delta) grows, at every s.
-    v = 8
-    task = R.SetComplement(R.Config(vocab=v, train_len=v - 1))
+    v, task = 8, R.SetComplement(R.Config(vocab=8, train_len=7))
     idx = task.eval_inputs(4)
     target, losses = task.target(idx, dtype=DT), []
     for gamma in (0.5, 1.0, 2.0, 4.0, 8.0):
@@ -796,8 +794,7 @@ def test_balanced_solutions_have_D_equal_minus_delta_I_up_to_a_common_row_and_ra
     # Steps 3 and 4: D P = -delta P + 1^T (d P) with delta = m_2 / alpha, and
     # B P = delta (1 - 2 alpha) P - 1^T (d P): B carries no token information iff alpha = 1/2.
     # The value bound: rank(D P) = v - 1.
-    v = 5
-    P = torch.eye(v, dtype=DT) - 1.0 / v
+    v, P = 5, torch.eye(5, dtype=DT) - 1.0 / 5
     B, D, _, m2 = a_balanced_solution(v, alpha)
     delta = m2 / alpha
     common_D = (D + delta * torch.eye(v, dtype=DT)) @ P         # every row: d P
@@ -1189,8 +1186,7 @@ def test_post_norm_margin_decays_like_one_over_sqrt_s_to_its_minimum_at_v_over_2
     # s = v/2, symmetric in s <-> v - s; from s = 1 to v/2 it falls by v / (2 sqrt(v - 1))
     # (2.87 at v = 32); beyond a length s0 <= v/2 it stays above 2 sqrt(s0 (v - s0)) / v
     # times its value at s0 (0.968 at s0 = 12).
-    v = 32
-    m = margins_with_eps_0(v, "post")
+    v, m = 32, margins_with_eps_0(32, "post")
     assert min(m) == pytest.approx(2 * math.sqrt(2), rel=1e-10) and m.index(min(m)) == v // 2 - 1
     assert all(m[s - 1] == pytest.approx(m[v - s - 1], rel=1e-10) for s in range(1, v))
     assert all(a > b for a, b in zip(m[: v // 2 - 1], m[1: v // 2]))    # falls up to v/2
