@@ -489,8 +489,7 @@ class Language:
 
     def eval_inputs(self, n):
         """Fixed streams of 4 x train_len tokens: positions up to 4 times the training's."""
-        g = torch.Generator().manual_seed(EVAL_SEED)
-        return self.sample(n, 4 * self.cfg.train_len, g)
+        return self.sample(n, 4 * self.cfg.train_len, torch.Generator().manual_seed(EVAL_SEED))
 
     def loss_floor(self):
         """The target's entropy over the training positions, on 2000 fixed streams."""
@@ -1050,40 +1049,46 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
                f"{', MLP' if base.mlp else ''}, {base.steps} steps, batch {base.batch_size}, "
                f"lr {'tuned' if chosen else base.lr}")
     finish(out, "compare", "\n".join(lines), command, details, figures, done, wall, workers, **record)
-    if re.fullmatch(r"depth\d+", os.path.basename(os.path.abspath(out))):
-        depth_sweep(os.path.dirname(os.path.abspath(out)))   # the sweep, from every depth grid
+    if grid := re.fullmatch(r"(.*)[/\\]depth\d+([/\\][^/\\]+)?", os.path.abspath(out)):
+        depth_sweep(grid[1])   # a depth grid, or more seeds in one: the sweep, from every grid
 
 
 def depth_sweep(root, out=None):
-    """OUT/depth.md and depth.png (OUT: root) from every root/depthN/compare.json (EMA weights,
-    chosen rates): TVD at 2 L and on the training lengths against depth, seeds as points. The
-    lowest at 2 L is outside seed noise when all its seeds are below all the others' (P10)."""
-    grids = {int(re.search(r"depth(\d+)", str(p)).group(1)): json.loads(p.read_text("utf-8"))[
-        "summary"] for p in Path(root).glob("depth*/compare.json")}
-    depths, first = sorted(grids), grids[min(grids)]
-    norms = [n for n in NORMS if n in next(iter(first.values()))]
-    get = lambda d, r, n, c: next(v for k, v in grids[d][r][n]["ema"].items() if k.endswith(c))  # noqa
+    """OUT/depth.md and .png (OUT: root) from root/depthN/compare.json, more seeds in its folders:
+    TVD at 2 L and on the training lengths against depth (EMA weights, chosen rates); the lowest
+    at 2 L, outside seed noise if its seeds are all below the others' (P10); paired t interval."""
+    pool = {}   # (layers, regime, norm, "training lengths" or "2 L" ...): the value of each seed
+    for p in sorted(Path(root).glob("depth*/**/compare.json")):
+        for r, ns in json.loads(p.read_text("utf-8"))["summary"].items():
+            for n, c, v in [(n, c, v) for n in NORMS if n in ns for c, v in ns[n]["ema"].items()]:
+                key = int(p.relative_to(root).parts[0][5:]), r, n, c.split("(")[-1].rstrip(")")
+                pool.setdefault(key, []).extend(v)
+    depths, first = sorted({k[0] for k in pool}), list(dict.fromkeys(k[1] for k in pool))
+    norms = [n for n in NORMS if n in {k[2] for k in pool}]
     fig, axes = new_figure(2 * len(first), width=3.6)
-    for ax, (c, r) in zip(axes, [(c, r) for c in ("(2 L)", "training lengths") for r in first]):
+    for ax, (c, r) in zip(axes, [(c, r) for c in ("2 L", "training lengths") for r in first]):
         for n in norms:
-            ys = [get(d, r, n, c) for d in depths]
+            ys = [pool[d, r, n, c] for d in depths]
             ax.plot(depths, [mean(y) for y in ys], color=COLORS[n], label=n)
             ax.plot([d for d, y in zip(depths, ys) for _ in y], sum(ys, []), "o", ms=4,
                     color=COLORS[n])
-        ax.set(title=f"{r}: TVD, {c.strip('()')}", xlabel="layers", yscale="log", xticks=depths)
+        ax.set(title=f"{r}: TVD, {c}", xlabel="layers", yscale="log", xticks=depths)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
     rows = []
     for d, r in [(d, r) for d in depths for r in first]:
-        at, fit = ({n: get(d, r, n, c) for n in norms} for c in ("(2 L)", "training lengths"))
-        best = min(norms, key=lambda n: mean(at[n]))
-        rows.append([d, r] + [f"{mean(fit[n]):.4f} / {mean(at[n]):.4f} ({min(at[n]):.3f} - "
-                              f"{max(at[n]):.3f})" for n in norms] + [f"`{best}`", "outside" if all(
-            max(at[best]) < min(at[n]) for n in norms if n != best) else "within", ", ".join(
-            f"`{n}`" for n in norms if mean(fit[n]) > 2 * min(map(mean, fit.values()))) or "-"])
+        at, fit = ({n: pool[d, r, n, c] for n in norms} for c in ("2 L", "training lengths"))
+        best, runner = sorted(norms, key=lambda n: mean(at[n]))[:2]
+        apart = all(max(at[best]) < min(at[n]) for n in norms if n != best)
+        worse = [f"`{n}`" for n in norms if mean(fit[n]) > 2 * min(map(mean, fit.values()))]
+        rows.append([d, r, len(at[best])] + [f"{mean(fit[n]):.4f} / {mean(at[n]):.4f} ("
+                    f"{min(at[n]):.3f} - {max(at[n]):.3f})" for n in norms] + [f"`{best}`",
+                    "outside" if apart else "within", "{:+.3f} ({:+.3f} to {:+.3f})".format(
+                        *mean_interval([a - b for a, b in zip(at[best], at[runner])])),
+                    ", ".join(worse) or "-"])
     text = "\n".join(["Training-length TVD / TVD at 2 L (seeds' min - max), EMA 0.999, chosen "
                       "rates; fits worse: training TVD over twice the best.", ""] + md_table(
-        ["layers", "regime"] + [f"`{n}`" for n in norms] + ["lowest at 2 L", "seed noise",
-                                                            "fits worse"], rows))
+        ["layers", "regime", "seeds"] + [f"`{n}`" for n in norms] + ["lowest at 2 L", "seed noise",
+                                  "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows))
     print(text)
     write_outputs(out or root, {"depth.md": text + "\n", "depth.png": fig})
 
@@ -1193,8 +1198,7 @@ def wilson(k, n, z=1.96):
 
 def sign_test(k, n):
     """Two-sided exact sign test: the chance of a split at least as uneven as k of n."""
-    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n)
 
 
 def wilcoxon(diffs):
@@ -1489,10 +1493,8 @@ def starter_source():
     """This file with the code of Exercises 1-3 replaced by NotImplementedError: what a
     student completes. Between '# Exercise N: ...' and '# end of Exercise N' the comments
     stay and the code goes."""
-    with open(os.path.abspath(__file__), encoding="utf-8") as f:
-        lines = f.read().split("\n")
     out, exercise = [], None
-    for line in lines:
+    for line in Path(__file__).read_text("utf-8").split("\n"):
         begin = re.match(r"\s*# Exercise (\d): ", line)
         if begin and not exercise:
             exercise, raised = begin.group(1), False
@@ -1530,12 +1532,11 @@ def handout(out):
     paragraphs that start with '*For the teacher') and links; OUT/starter.py: the file the
     students complete; OUT/grade.py: the graders, from test_resharpen.py."""
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("\n## Exercises\n", 1)[1].split("\n## ", 1)[0]   # to the next
+    section = Path(here, "README.md").read_text("utf-8").split("\n## Exercises\n", 1)[1].split(
+        "\n## ", 1)[0]   # to the next section
     kept = [p for p in section.split("\n\n") if not p.lstrip().startswith("*For the teacher")]
     body = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", "\n\n".join(kept).strip())   # no links
-    with open(os.path.join(here, "test_resharpen.py"), encoding="utf-8") as f:
-        tests = f.read()
+    tests = Path(here, "test_resharpen.py").read_text("utf-8")
     graders = tests[tests.index("# ---- graders"):tests.index("# end of the graders")]
     written = write_outputs(out, {
         "exercises.md": f"# Exercises: Post-Norm can Resharpen Attention\n\n{body}\n",
@@ -1757,8 +1758,7 @@ def main(argv=None):
     """The command line. Exit status: 0 done, 1 stopped (NaN, memory), 2 bad input, 130 Ctrl-C."""
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = (parser := build_parser()).parse_args(argv)
     mode, cfg, suite_flags = check_args(args, parser)
     out = args.out or "runs"
     shown = [a for i, a in enumerate(argv) if not (a in ("--out", "--resume") or a.startswith(
