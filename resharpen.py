@@ -1018,9 +1018,8 @@ def plot_regimes(rows, cfg, norms, regimes):
 def compare(base, out, command, norms=None, regimes=None, lrs=None):
     """python resharpen.py --compare: compare.md, .json and 2 figures (norms, regimes: a subset,
     and only the regimes figure; lrs: rates to tune over, tune_rates)."""
-    full = norms is None and regimes is None
-    norms, regimes, device, chosen = norms or tuple(NORMS), regimes or REGIMES, pick_device(
-        base.device), {}
+    full, device, chosen = norms is None and regimes is None, pick_device(base.device), {}
+    norms, regimes = norms or tuple(NORMS), regimes or REGIMES
     if lrs and len(lrs) > 1:
         done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device)
     else:
@@ -1059,10 +1058,10 @@ def depth_sweep(root, out=None):
     at 2 L, outside seed noise if its seeds are all below the others' (P10); paired t interval."""
     pool = {}   # (layers, regime, norm, "training lengths" or "2 L" ...): the value of each seed
     for p in sorted(Path(root).glob("depth*/**/compare.json")):
+        d = int(p.relative_to(root).parts[0][5:])   # depthN/...: N layers
         for r, ns in json.loads(p.read_text("utf-8"))["summary"].items():
             for n, c, v in [(n, c, v) for n in NORMS if n in ns for c, v in ns[n]["ema"].items()]:
-                key = int(p.relative_to(root).parts[0][5:]), r, n, c.split("(")[-1].rstrip(")")
-                pool.setdefault(key, []).extend(v)
+                pool.setdefault((d, r, n, c.split("(")[-1].rstrip(")")), []).extend(v)
     depths, first = sorted({k[0] for k in pool}), list(dict.fromkeys(k[1] for k in pool))
     norms = [n for n in NORMS if n in {k[2] for k in pool}]
     fig, axes = new_figure(2 * len(first), width=3.6)
@@ -1091,6 +1090,7 @@ def depth_sweep(root, out=None):
                                   "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows))
     print(text)
     write_outputs(out or root, {"depth.md": text + "\n", "depth.png": fig})
+
 
 # ----------------------------------------------------------------------------- alternatives
 # python resharpen.py --alternatives: would another remedy do as well? (theory.md, Appendix E)
@@ -1182,11 +1182,9 @@ def search_configs(n, seed, lrs=None):
 
 def search_arms(runs, results):
     """{arm: (config, result)}: each arm at its rate with the lowest training TVD (EMA weights)."""
-    best = dict.fromkeys(c.norm for c in runs)   # the arms in the order of runs
-    for c in reversed(sorted(runs, key=lambda c: summarize(results[c]["ema"],
-                                                         c.train_len)["tvd_train"])):
-        best[c.norm] = (c, results[c])   # the lowest last; of equal ones, the first in runs
-    return best
+    train = lambda c: summarize(results[c]["ema"], c.train_len)["tvd_train"]  # noqa: E731
+    return {arm: (c, results[c]) for arm in dict.fromkeys(c.norm for c in runs)   # runs' order
+            for c in [min((c for c in runs if c.norm == arm), key=train)]}   # of equal: the first
 
 
 def wilson(k, n, z=1.96):
