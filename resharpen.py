@@ -47,6 +47,7 @@ class Config:
     n_head: int = 1
     n_embd: int = 64
     mlp: bool = False         # attention only by default, like the paper's minimal model
+    mlp_norm: bool = True     # the block's own MLP norm, ln_2 (False: --no-mlp-norm, an ablation)
     steps: int = 4000
     batch_size: int = 256
     lr: float = 3e-3          # constant by default: the regime where gradient noise shows
@@ -145,8 +146,8 @@ class Block(nn.Module):
         self.norm = cfg.norm
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = ATTENTIONS[cfg.attn_scale](cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd) if cfg.mlp else None
         C = cfg.n_embd
+        self.ln_2 = (nn.LayerNorm(C) if cfg.mlp_norm else nn.Identity()) if cfg.mlp else None
         self.mlp = nn.Sequential(nn.Linear(C, 4 * C, bias=False), nn.GELU(),
                                  nn.Linear(4 * C, C, bias=False)) if cfg.mlp else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -1048,8 +1049,6 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
                f"{', MLP' if base.mlp else ''}, {base.steps} steps, batch {base.batch_size}, "
                f"lr {'tuned' if chosen else base.lr}")
     finish(out, "compare", "\n".join(lines), command, details, figures, done, wall, workers, **record)
-    if grid := re.fullmatch(r"(.*)[/\\]depth\d+([/\\][^/\\]+)?", os.path.abspath(out)):
-        depth_sweep(grid[1])   # a depth grid, or more seeds in one: the sweep, from every grid
 
 
 def depth_sweep(root, out=None):
@@ -1090,6 +1089,36 @@ def depth_sweep(root, out=None):
                                   "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows))
     print(text)
     write_outputs(out or root, {"depth.md": text + "\n", "depth.png": fig})
+
+
+def mlp_norm_table(root, out=None):
+    """OUT/mlp_norm.md (OUT: root/mlp_norm): pre with its MLP norm (root/depthN) and without it
+    (root/mlp_norm/layersN), chosen rates, EMA weights: TVD, logit gap x s at L and 2 L (P11)."""
+    group = {}   # (layers, regime, MLP norm): (metrics, L) of each seed at the chosen rate
+    for p in sorted(Path(root).glob("mlp_norm/layers*/compare.json")):
+        for normed, q in (("yes", Path(root, f"depth{p.parent.name[6:]}/compare.json")), ("no", p)):
+            rec = json.loads(q.read_text("utf-8"))
+            for c, m in [(Config(**r["config"]), r["ema"]) for r in rec["runs"]]:
+                if rec["chosen_lr"][f"{c.norm}, {c.targets}, {c.lr_schedule}"] == c.lr and (
+                        c.norm == "pre"):
+                    group.setdefault((c.n_layer, f"{c.targets}, {c.lr_schedule}", normed),
+                                     []).append((m, c.train_len))
+    at = {k: [m["tvd"][2 * L - 1] for m, L in ms] for k, ms in group.items()}
+    rows = []
+    for k in sorted(group, key=lambda k: (k[0], k[1][0] == "e", k[2] == "no")):  # sampled first
+        ms, L, other = group[k], group[k][0][1], at[(*k[:2], "no" if k[2] == "yes" else "yes")]
+        gs = [mean([m["logit_gap"][s - 1] * s for m, _ in ms]) for s in (L, 2 * L)]
+        rows.append([*k, f"{mean([summarize(m, L)['tvd_train'] for m, _ in ms]):.4f} / "
+                     f"{mean(at[k]):.4f} ({min(at[k]):.3f} - {max(at[k]):.3f})",
+                     "outside" if max(at[k]) < min(other) or min(at[k]) > max(other) else "within",
+                     f"{gs[0]:.2f}", f"{gs[1]:.2f}", f"{gs[1] / gs[0]:.2f}"])
+    text = "\n".join(["`pre` with and without its MLP norm: training-length TVD / TVD at 2 L "
+                      "(seeds' min - max), EMA 0.999, chosen rates; seed noise at 2 L against "
+                      "the other arm; logit gap x s, mean of seeds; rho = its ratio, 2 L over L.",
+                      ""] + md_table(["layers", "regime", "MLP norm", "`pre`", "seed noise",
+                                      "gap x s at L", "gap x s at 2 L", "rho"], rows))
+    print(text)
+    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text + "\n"})
 
 
 # ----------------------------------------------------------------------------- alternatives
@@ -1159,13 +1188,15 @@ def alternatives(base, out, command):
 SEARCH_N = 40            # the pre-registered size of the committed search (theory.md, App. F)
 SEARCH_DEFAULT = 4       # a reader's quick version: 12 runs, a few minutes on 2 cores
 SEARCH_ARMS = ("pre", "pre-final", "post")   # trained from the same seed: paired
+NO_LN2 = "pre, no MLP norm"                  # with --mlp, a fourth arm: pre without ln_2
 SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subgroups
 
 
-def search_configs(n, seed, lrs=None):
+def search_configs(n, seed, lrs=None, mlp=False):
     """n random configurations in the pre-registered ranges, once per arm from the same seed; with
-    lrs, pre-final and post at every rate, in post's best corner (large batches, long runs)."""
-    g, configs = random.Random(seed), []
+    lrs, pre-final and post at every rate, in post's best corner (large batches, long runs); with
+    mlp, 1-3 blocks with MLPs (layers drawn apart: the other draws stay those without) and NO_LN2."""
+    g, layers, configs = random.Random(seed), random.Random(-1 - seed), []
     for i in range(n):
         v, heads = g.randint(16, 64), g.randint(1, 4)
         base = Config(vocab=v, train_len=g.randint(math.ceil(v / 4), (v - 1) // 2),
@@ -1175,16 +1206,27 @@ def search_configs(n, seed, lrs=None):
                       seed=seed + i)
         if lrs:
             base = replace(base, batch_size=g.randint(192, 256), steps=g.randint(4000, 8000))
+        if mlp:
+            base = replace(base, mlp=True, n_layer=layers.randint(1, 3))
         arms, rates = (("pre-final", "post"), lrs) if lrs else (SEARCH_ARMS, [base.lr])
-        configs.append([replace(base, norm=arm, lr=lr) for arm in arms for lr in rates])
+        configs.append([replace(base, norm=arm, lr=lr) for arm in arms for lr in rates] +
+                       [replace(base, mlp_norm=False)] * mlp)
     return configs
+
+
+def arm(c):   # a search arm's name: its placement, and NO_LN2's missing MLP norm
+    return c.norm if c.mlp_norm else NO_LN2
+
+
+def reference(configs):   # the arm every other is paired against: the remedy, or with MLPs pre
+    return "pre" if configs[0][0].mlp else "post"
 
 
 def search_arms(runs, results):
     """{arm: (config, result)}: each arm at its rate with the lowest training TVD (EMA weights)."""
     train = lambda c: summarize(results[c]["ema"], c.train_len)["tvd_train"]  # noqa: E731
-    return {arm: (c, results[c]) for arm in dict.fromkeys(c.norm for c in runs)   # runs' order
-            for c in [min((c for c in runs if c.norm == arm), key=train)]}   # of equal: the first
+    return {a: (c, results[c]) for a in dict.fromkeys(map(arm, runs))   # in the runs' order
+            for c in [min((c for c in runs if arm(c) == a), key=train)]}   # of equal: the first
 
 
 def wilson(k, n, z=1.96):
@@ -1221,60 +1263,61 @@ def bootstrap_median(xs, reps=10000, seed=0):
 
 
 def search_pairs(configs, results, rival, avg):
-    """Per configuration: (log of rival / post at 2 L, the pair's larger training TVD)."""
-    out = []
+    """Per configuration: (log of rival / reference at 2 L, the pair's larger training TVD)."""
+    out, ref = [], reference(configs)
     for runs in configs:
         L, m = runs[0].train_len, {a: r[avg] for a, (_, r) in search_arms(runs, results).items()}
-        out.append((math.log(m[rival]["tvd"][2 * L - 1] / m["post"]["tvd"][2 * L - 1]),
-                    max(summarize(m[k], L)["tvd_train"] for k in (rival, "post"))))
+        out.append((math.log(m[rival]["tvd"][2 * L - 1] / m[ref]["tvd"][2 * L - 1]),
+                    max(summarize(m[k], L)["tvd_train"] for k in (rival, ref))))
     return out
 
 
-def search_stats(pairs):
-    """Win rate of post (log ratio > 0) with its interval, sign test (ties dropped, as in the
+def search_stats(pairs, ref="post"):
+    """Win rate of ref (log ratio > 0) with its interval, sign test (ties dropped, as in the
     Wilcoxon test) and Wilcoxon test, median ratio with its bootstrap interval."""
     logs = [x for x, _ in pairs]
     n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
     if n == 0:
         return {"n": 0}
     med, lo, hi = bootstrap_median(tuple(logs))
-    return {"n": n, "post_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
+    return {"n": n, f"{ref}_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
             "sign_p": sign_test(k, n - ties) if n > ties else 1.0, "wilcoxon_p": wilcoxon(logs),
             "median_ratio": math.exp(med), "median_ratio_95": (math.exp(lo), math.exp(hi))}
 
 
 def search_summary(configs, results):
     """The primary endpoint and every secondary one: {rival: {avg: {subgroup: stats}}}."""
-    out = {}
-    for rival in (a for a in ("pre-final", "pre") if a in {c.norm for c in configs[0]}):
+    out, ref = {}, reference(configs)
+    for rival in dict.fromkeys(a for a in ("pre-final", *map(arm, configs[0])) if a != ref):
         for avg in ("ema", "raw"):
             pairs = search_pairs(configs, results, rival, avg)
-            out.setdefault(rival, {})[avg] = {"all": search_stats(pairs), **{
-                f"train TVD < {t}": search_stats([p for p in pairs if p[1] < t])
+            out.setdefault(rival, {})[avg] = {"all": search_stats(pairs, ref), **{
+                f"train TVD < {t}": search_stats([p for p in pairs if p[1] < t], ref)
                 for t in SEARCH_THRESHOLDS}}
     return out
 
 
 def search_losses(configs, results):
-    """Post's win rate (primary endpoint) at or below and above each setting's median."""
-    logs = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")]
+    """The reference's win rate (primary endpoint) at or below and above each setting's median."""
+    logs, ref = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")], reference(configs)
     settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
+                **({"layers": lambda c: c.n_layer} if configs[0][0].mlp else {}),
                 "heads": lambda c: c.n_head, "lr": lambda c: c.lr,
                 "batch": lambda c: c.batch_size, "steps": lambda c: c.steps}
     rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"  # noqa: E731
     rows = []
     for name, get in settings.items():
-        xs = [get(search_arms(runs, results)["post"][0]) for runs in configs]
+        xs = [get(search_arms(runs, results)[ref][0]) for runs in configs]
         cut = statistics.median(xs)
         rows.append([name, f"{cut:.3g}"] + [rate([x > 0 for x, c in zip(logs, xs) if (c <= cut)
                                                   == below]) for below in (True, False)])
-    return md_table(["setting", "median", "post wins, at or below", "above"], rows)
+    return md_table(["setting", "median", f"{ref} wins, at or below", "above"], rows)
 
 
 def plot_search(configs, results, rivals):
     """search.png: the paired ratio at 2 L against the pair's training TVD, per rival."""
     import matplotlib.ticker
-    fig, axes = new_figure(len(rivals))
+    fig, axes, ref = *new_figure(len(rivals)), reference(configs)
     for ax, rival in zip(axes, rivals):
         for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
                            ("raw", dict(color="0.5", mfc="none", label="raw weights"))):
@@ -1284,7 +1327,7 @@ def plot_search(configs, results, rivals):
         for t in SEARCH_THRESHOLDS:
             ax.axvline(t, color="0.7", lw=0.8, ls=":")
         ax.set(xscale="log", yscale="log", xlabel="training-length TVD (worse of the pair)",
-               ylabel=f"TVD at 2 L: {rival} / post", title=f"above 1: post beats {rival}")
+               ylabel=f"TVD at 2 L: {rival} / {ref}", title=f"above 1: {ref} beats {rival}")
         for axis, ticks in ((ax.xaxis, (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)),
                             (ax.yaxis, (0.5, 1, 2, 5, 10))):   # plain numbers, no overlap
             lo, hi = axis.get_view_interval()
@@ -1297,15 +1340,15 @@ def plot_search(configs, results, rivals):
 
 def search_text(configs, results, n, lrs):
     """search.md's body: the primary endpoint, every endpoint, the splits, every configuration."""
-    h = search_summary(configs, results)
+    h, ref, mlp = search_summary(configs, results), reference(configs), configs[0][0].mlp
     p = h["pre-final"]["ema"]["all"]
     fmt = lambda st: ("no configuration" if st["n"] == 0 else  # noqa: E731
-                      f"{st['post_wins']} of {st['n']} ({st['win_rate_95'][0]:.2f} - "
+                      f"{st[ref + '_wins']} of {st['n']} ({st['win_rate_95'][0]:.2f} - "
                       f"{st['win_rate_95'][1]:.2f}) | {st['sign_p']:.3g} | "
                       f"{st['wilcoxon_p']:.3g} | {st['median_ratio']:.2f} "
                       f"({st['median_ratio_95'][0]:.2f} - {st['median_ratio_95'][1]:.2f})")
-    lines = md_table(["rival", "weights", "configurations", "post wins (95 % interval)",
-                      "sign test p", "Wilcoxon p", "median ratio rival / post (95 % bootstrap)"],
+    lines = md_table(["rival", "weights", "configurations", f"{ref} wins (95 % interval)",
+                      "sign test p", "Wilcoxon p", f"median ratio rival / {ref} (95 % bootstrap)"],
                      [[f"`{rival}`", AVERAGE_LABELS[avg], group, fmt(st)]
                       for rival in h for avg in ("ema", "raw")
                       for group, st in h[rival][avg].items() if st["n"]])
@@ -1315,30 +1358,34 @@ def search_text(configs, results, n, lrs):
     rows = []
     for i, runs in enumerate(configs):
         best = search_arms(runs, results)
-        c, L = best["post"][0], runs[0].train_len
+        c, L = best[ref][0], runs[0].train_len
         cells = [f"{train(r):.3f}, {tvd(r, 2 * L):.3f}" + (f" (lr {r.lr:g})" if lrs else "")
                  for r, _ in best.values()]
         win = tvd(best["pre-final"][0], 2 * L) > tvd(c, 2 * L)
-        rows.append([i, c.vocab, L, c.n_head, c.n_embd, "tuned" if lrs else f"{c.lr:.2g}",
-                     c.batch_size, c.steps, *cells, "yes" if win else "no"])
-    configurations = md_table(["#", "v", "L", "heads", "width", "lr", "batch", "steps"] +
-                              [f"{a}: train, 2 L" for a in arms] + ["post beats pre-final"], rows)
+        rows.append([i, c.vocab, L, *[c.n_layer] * mlp, c.n_head, c.n_embd, "tuned" if lrs
+                     else f"{c.lr:.2g}", c.batch_size, c.steps, *cells, "yes" if win else "no"])
+    lowest = [min(arms, key=lambda a: tvd(search_arms(r, results)[a][0], 2 * r[0].train_len))
+              for r in configs]   # with MLPs: how often each arm is lowest at 2 L
+    configurations = md_table(["#", "v", "L", *["layers"] * mlp, "heads", "width", "lr", "batch",
+                               "steps"] + [f"{a}: train, 2 L" for a in arms] +
+                              [f"{ref} beats pre-final"], rows)
     return h, (
         f"Primary endpoint (EMA {COMPARE_EMA} weights, all {n} configurations): the TVD at "
-        f"twice the longest training length was lower with `post` than with `pre-final` in "
+        f"twice the longest training length was lower with `{ref}` than with `pre-final` in "
         f"{fmt(p).split(' |')[0]}; two-sided sign test p = {p['sign_p']:.3g}, Wilcoxon "
-        f"p = {p['wilcoxon_p']:.3g}; median ratio pre-final / post "
+        f"p = {p['wilcoxon_p']:.3g}; median ratio pre-final / {ref} "
         f"{p['median_ratio']:.2f} (95 % bootstrap interval {p['median_ratio_95'][0]:.2f} - "
-        f"{p['median_ratio_95'][1]:.2f}).\n\n"
+        f"{p['median_ratio_95'][1]:.2f})." + ("\n\nLowest at 2 L (EMA weights): " + ", ".join(
+            f"`{a}` in {lowest.count(a)} of {n}" for a in arms) + "." if mlp else "") + "\n\n"
         "### Every endpoint, overall and by training TVD\n\n" + "\n".join(lines) +
-        "\n\n### Where post wins against pre-final (primary endpoint, split at each setting's "
+        f"\n\n### Where {ref} wins against pre-final (primary endpoint, split at each setting's "
         "median; exploratory)\n\n" + "\n".join(search_losses(configs, results)) +
         "\n\n### Every configuration (EMA weights)\n\n" + "\n".join(configurations))
 
 
 def search(base, out, n, command, lrs=None):
     """python resharpen.py --search N: N random configurations, one run per arm (and rate)."""
-    configs = search_configs(n, base.seed, lrs)
+    configs = search_configs(n, base.seed, lrs, base.mlp)
     done, wall, workers = run_grid(sum(configs, []), pick_device(base.device), averages=("ema",))
     results = {c: r for c, r, _ in done}
     summary, text = search_text(configs, results, n, lrs)
@@ -1544,11 +1591,11 @@ def handout(out):
 
 
 # ----------------------------------------------------------------------------- command line
-MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "bos", "attn_scale",
-               "steps", "batch_size", "lr"}
+MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "mlp_norm", "bos",
+               "attn_scale", "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
     "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"}, "search": {"lrs", "resume"},
+    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"}, "search": {"lrs", "mlp", "resume"},
     "suite": set(SUITE_MODEL) | {"resume"}, "theory": {"vocab", "train_len"}, "handout": set()}
 LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
           "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "search": (1, 100),
@@ -1576,7 +1623,10 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--targets", ["sampled", "exact"], "a sampled next token, or the exact distribution"),
     ("--n-layer", int, "number of blocks"), ("--n-embd", int, "width of the residual stream"),
     ("--n-head", int, "attention heads per block, dividing --n-embd"),
-    ("--mlp", bool, "add an MLP to each block (off: attention only)"),
+    ("--mlp", bool, "add an MLP to each block (off: attention only); --search: 1-3 blocks"),
+    ("--no-mlp-norm", dict(action="store_const", dest="mlp_norm", const=False), "with --mlp, drop "
+     "the block's own MLP norm: pre, pre-final: x + MLP(x), not x + MLP(LN(x)); post: x + MLP(x), "
+     "not x + LN(MLP(x)); post-residual: x + MLP(x), not LN(x + MLP(x))"),
     ("--bos", bool, "prepend a beginning-of-sequence token to every input"),
     ("--attn-scale", list(ATTENTIONS), "logn: scores times s_h log(n) (Scalable-Softmax)"),
     ("--steps", int, "optimizer steps"), ("--batch-size", int, "sequences per step"),
@@ -1656,7 +1706,7 @@ def planned_runs(mode, cfg, args, suite_flags):
                                             REGIMES, args.lrs or (None,)),
             "suite": lambda: suite_grid(cfg, **suite_flags),
             "alternatives": lambda: alternatives_grid(cfg),
-            "search": lambda: sum(search_configs(args.search, cfg.seed, args.lrs), []),
+            "search": lambda: sum(search_configs(args.search, cfg.seed, args.lrs, cfg.mlp), []),
             None: lambda: [cfg]}.get(mode, list)()
 
 
@@ -1664,12 +1714,13 @@ def check_args(args, parser):
     """Refuse bad input before any training: one line naming the flag, exit status 2.
     Returns (mode, Config, the model flags given to --suite)."""
     bad = parser.error
-    given = {k for k, v in vars(args).items() if v is not None and v is not False}
+    given = {k for k, v in vars(args).items() if v is not None}
     mode = next((m for m in MODE_FLAGS if m in given), None)
     extra = given - MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes", "resume"}) - {
         mode, "seed", "device", "out"}
     if extra:
-        bad(f"{', '.join(sorted('--' + x.replace('_', '-') for x in extra))}: not used by "
+        names = ("--no-mlp-norm" if x == "mlp_norm" else "--" + x.replace("_", "-") for x in extra)
+        bad(f"{', '.join(sorted(names))}: not used by "
             f"{'--' + mode if mode else 'a single run'} (python resharpen.py --help)")
     for name, (lo, hi) in LIMITS.items():
         if getattr(args, name) is not None and not lo <= getattr(args, name) <= hi:
@@ -1680,6 +1731,10 @@ def check_args(args, parser):
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
                     if getattr(args, k, None) is not None})
     cfg = make_task(cfg).cfg if language else cfg
+    if not (cfg.mlp or cfg.mlp_norm):
+        bad("--no-mlp-norm: there is no MLP norm to drop without --mlp")
+    if mode == "search" and cfg.mlp and args.lrs:
+        bad("--lrs: --search --mlp trains every arm at its configuration's one drawn rate")
     longest = {"compare": ((cfg.vocab - 1) // 2, "--compare tests 2 x --train-len"),
                "alternatives": (cfg.vocab - 2, "it needs a longer length")}
     top, why = ((256, "a language's limit") if language or mode == "suite"

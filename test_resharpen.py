@@ -516,6 +516,20 @@ def test_each_norm_placement_equals_its_formula(norm):
     assert torch.allclose(model(idx[None])[0], want, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", list(R.NORMS))
+def test_no_mlp_norm_drops_the_blocks_mlp_norm_and_nothing_else(norm):
+    normed = randomize(R.Transformer(tiny(norm=norm, mlp=True)))
+    bare = R.Transformer(tiny(norm=norm, mlp=True, mlp_norm=False)).eval()
+    bare.load_state_dict({k: w for k, w in normed.state_dict().items() if "ln_2" not in k})
+    b, x = normed.blocks[0], normed.wte.weight[torch.tensor([[3, 0, 6, 2]])]
+    h = {"pre": lambda: x + b.attn(b.ln_1(x))[0], "post": lambda: x + b.ln_1(b.attn(x)[0]),
+         "post-residual": lambda: b.ln_1(x + b.attn(x)[0])}[norm.replace("-final", "")]()
+    want = {"post": h + b.ln_2(b.mlp(h)), "post-residual": b.ln_2(h + b.mlp(h))}.get(
+        norm, h + b.mlp(b.ln_2(h)))   # x + MLP(LN(x)) in pre and pre-final
+    assert torch.allclose(b(x)[0], want, atol=1e-6)
+    assert torch.allclose(bare.blocks[0](x)[0], h + b.mlp(h), atol=1e-6)   # x + MLP(x) in all
+
+
 def test_dropout_acts_on_the_attention_weights_and_on_each_blocks_outputs():
     model = R.Transformer(tiny(dropout=0.2, mlp=True)).train()
     seen = []
@@ -1845,12 +1859,21 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
                                                   ("post", 1e-3), ("post", 1e-2)]
         assert 192 <= c.batch_size <= 256 and 4000 <= c.steps <= 8000
         assert all(R.replace(r, norm=c.norm, lr=c.lr) == c for r in runs)
-    small = lambda n, seed, lrs=None: [  # noqa: E731
+    deep = R.search_configs(40, 0, mlp=True)   # section 3's draws, with MLPs, 1-3 blocks, NO_LN2
+    for plain, runs in zip(drawn, deep):
+        assert runs == [R.replace(c, mlp=True, n_layer=runs[0].n_layer) for c in plain] + [
+            R.replace(runs[0], mlp=True, mlp_norm=False)] and 1 <= runs[0].n_layer <= 3
+    assert {runs[0].n_layer for runs in deep} == {1, 2, 3}
+    small = lambda n, seed, lrs=None, mlp=False: [  # noqa: E731
         [R.replace(c, vocab=8, train_len=3, n_embd=12, steps=3, batch_size=4) for c in g]
-        for g in (tuned if lrs else drawn)[:n]]
+        for g in (tuned if lrs else deep if mlp else drawn)[:n]]
     monkeypatch.setattr(R, "search_configs", small)
     R.search(base, str(tmp_path), 3, "cmd")
     assert load(tmp_path / "search.json")["summary"]["pre-final"]["ema"]["all"]["n"] == 3
+    R.search(R.replace(base, mlp=True), str(tmp_path / "m"), 3, "cmd")
+    summary = load(tmp_path / "m" / "search.json")["summary"]
+    assert list(summary) == ["pre-final", "post", R.NO_LN2] and "pre_wins" in summary["post"][
+        "ema"]["all"] and "`pre, no MLP norm` in" in read(tmp_path / "m" / "search.md")
     R.search(base, str(tmp_path / "t"), 2, "cmd", lrs=[1e-3, 1e-2])
     record = load(tmp_path / "t" / "search.json")
     assert len(record["runs"]) == 8 and set(record["summary"]) == {"pre-final"}
@@ -1879,6 +1902,18 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     text = read(tmp_path / "t" / "compare.md")
     assert "per layer" in text and "| exact, cosine | `post` | 2 |" in text
     assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
+    # Without the MLP norm (P11's ablation), beside the grid above as its depth2:
+    os.renames(tmp_path / "t" / "compare.json", tmp_path / "a" / "depth2" / "compare.json")
+    R.compare(R.replace(base, n_layer=2, mlp=True, mlp_norm=False), str(
+        tmp_path / "a" / "mlp_norm" / "layers2"), "cmd", ("pre",), (("exact", "cosine"),), [1e-3, 1e-2])
+    R.mlp_norm_table(str(tmp_path / "a"))
+    record = load(tmp_path / "a/mlp_norm/layers2/compare.json")
+    bare = [r["ema"] for r in record["runs"] if r["config"]["lr"] == record["chosen_lr"][
+        "pre, exact, cosine"]]
+    rho = sum(m["logit_gap"][3] * 4 for m in bare) / sum(m["logit_gap"][1] * 2 for m in bare)
+    assert read(tmp_path / "a/mlp_norm/mlp_norm.md").splitlines()[-1].startswith(
+        "| 2 | exact, cosine | no |") and read(tmp_path / "a/mlp_norm/mlp_norm.md").endswith(
+        f" | {rho:.2f} |\n")
     R.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
     text = read(tmp_path / "suite.md")
     assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
@@ -1988,7 +2023,8 @@ BAD_INPUT = [   # argv, and after " | " the flag its one line names where that i
     "--attn-scale cubic", "--dropout 0.1", "--search 0", "--search 4 --vocab 8 | --vocab",
     "--lrs 0.1,2", "--lrs 0.1", "--compare --norms pre,middle | --norms",
     "--compare --regimes sampled/linear | --regimes", "--suite --train-len 1024 | --train-len",
-    "--theory --vocab 1024 --train-len 900 | --vocab",
+    "--theory --vocab 1024 --train-len 900 | --vocab", "--no-mlp-norm",
+    "--search 4 --mlp --no-mlp-norm | --no-mlp-norm", "--search 4 --mlp --lrs 0.01,0.1 | --lrs",
     f"--device {'mps' if torch.cuda.is_available() else 'cuda'}"]   # none here
 
 
