@@ -27,8 +27,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-if __name__ == "__main__":   # before torch loads: idle threads soon sleep (README, "Threads")
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+if __name__ == "__main__":   # before torch loads: one thread per run (README, "Threads")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.nn as nn
@@ -1054,26 +1054,37 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
 def depth_sweep(root, out=None):
     """OUT/depth.md and .png (OUT: root) from root/depthN/compare.json, more seeds in its folders:
     TVD at 2 L and on the training lengths against depth (EMA weights, chosen rates); the lowest
-    at 2 L, outside seed noise if its seeds are all below the others' (P10); paired t interval."""
-    pool = {}   # (layers, regime, norm, "training lengths" or "2 L" ...): the value of each seed
+    at 2 L, outside seed noise if its seeds are all below the others' (P10); paired t interval;
+    each grid's first seed at every rate. Folders and regimes it cannot combine: one line."""
+    pool, rates = {}, {}   # (layers, regime, norm, column): each seed's; (layers, regime, lr): ...
     for p in sorted(Path(root).glob("depth*/**/compare.json")):
-        d = int(p.relative_to(root).parts[0][5:])   # depthN/...: N layers
-        for r, ns in json.loads(p.read_text("utf-8"))["summary"].items():
+        if not re.fullmatch(r"depth\d+", top := p.relative_to(root).parts[0]):
+            continue   # such as a copy, depth1-old
+        d, rec = int(top[5:]), json.loads(p.read_text("utf-8"))
+        for r, ns in rec["summary"].items():
             for n, c, v in [(n, c, v) for n in NORMS if n in ns for c, v in ns[n]["ema"].items()]:
                 pool.setdefault((d, r, n, c.split("(")[-1].rstrip(")")), []).extend(v)
+        for c, m in [(Config(**x["config"]), x["ema"]) for x in rec["runs"]]:
+            if p.parent.name == top and "chosen_lr" in rec and c.seed == rec["config"]["seed"]:
+                regime = f"{c.targets}, {c.lr_schedule}"   # {norm: (TVD at 2 L, chosen)}
+                rates.setdefault((d, regime, c.lr), {})[c.norm] = (m["tvd"][2 * c.train_len - 1], (
+                    "*" if rec["chosen_lr"][f"{c.norm}, {regime}"] == c.lr else ""))
     depths, first = sorted({k[0] for k in pool}), list(dict.fromkeys(k[1] for k in pool))
     norms = [n for n in NORMS if n in {k[2] for k in pool}]
+    whole = [(d, r) for d in depths for r in first if all((d, r, n, "2 L") in pool for n in norms)]
+    if left := [f"{d} layers, {r}" for d in depths for r in first if (d, r) not in whole]:
+        print(f"depth_sweep: not every placement in {'; '.join(left)}: left out")
     fig, axes = new_figure(2 * len(first), width=3.6)
     for ax, (c, r) in zip(axes, [(c, r) for c in ("2 L", "training lengths") for r in first]):
+        ds = [d for d in depths if (d, r) in whole]
         for n in norms:
-            ys = [pool[d, r, n, c] for d in depths]
-            ax.plot(depths, [mean(y) for y in ys], color=COLORS[n], label=n)
-            ax.plot([d for d, y in zip(depths, ys) for _ in y], sum(ys, []), "o", ms=4,
-                    color=COLORS[n])
+            ys = [pool[d, r, n, c] for d in ds]
+            ax.plot(ds, [mean(y) for y in ys], color=COLORS[n], label=n)
+            ax.plot([d for d, y in zip(ds, ys) for _ in y], sum(ys, []), "o", ms=4, color=COLORS[n])
         ax.set(title=f"{r}: TVD, {c}", xlabel="layers", yscale="log", xticks=depths)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
     rows = []
-    for d, r in [(d, r) for d in depths for r in first]:
+    for d, r in whole:
         at, fit = ({n: pool[d, r, n, c] for n in norms} for c in ("2 L", "training lengths"))
         best, runner = sorted(norms, key=lambda n: mean(at[n]))[:2]
         apart = all(max(at[best]) < min(at[n]) for n in norms if n != best)
@@ -1083,10 +1094,16 @@ def depth_sweep(root, out=None):
                     "outside" if apart else "within", "{:+.3f} ({:+.3f} to {:+.3f})".format(
                         *mean_interval([a - b for a, b in zip(at[best], at[runner])])),
                     ", ".join(worse) or "-"])
+    by_rate = [[d, r, f"{lr:g}"] + [f"{t[n][0]:.4f}{t[n][1]}" if n in t else "-" for n in norms] +
+               [f"`{min(t, key=t.get)}`"] for (d, r, lr), t in sorted(
+                   rates.items(), key=lambda kv: (kv[0][0], first.index(kv[0][1]), kv[0][2]))]
     text = "\n".join(["Training-length TVD / TVD at 2 L (seeds' min - max), EMA 0.999, chosen "
                       "rates; fits worse: training TVD over twice the best.", ""] + md_table(
         ["layers", "regime", "seeds"] + [f"`{n}`" for n in norms] + ["lowest at 2 L", "seed noise",
-                                  "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows))
+                                  "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows) + [
+        "", "Each rate on each grid's first seed (seed 0): TVD at 2 L, EMA 0.999 (* the rate "
+        "chosen, by the training-length TVD); who is lowest at each rate.", ""] + md_table(
+        ["layers", "regime", "lr"] + [f"`{n}`" for n in norms] + ["lowest at 2 L"], by_rate))
     print(text)
     write_outputs(out or root, {"depth.md": text + "\n", "depth.png": fig})
 
@@ -1733,6 +1750,8 @@ def check_args(args, parser):
     cfg = make_task(cfg).cfg if language else cfg
     if not (cfg.mlp or cfg.mlp_norm):
         bad("--no-mlp-norm: there is no MLP norm to drop without --mlp")
+    if mode == "handout" and not Path(__file__).with_name("README.md").exists():
+        bad("--handout: it copies the README.md that lies beside resharpen.py; there is none here")
     if mode == "search" and cfg.mlp and args.lrs:
         bad("--lrs: --search --mlp trains every arm at its configuration's one drawn rate")
     longest = {"compare": ((cfg.vocab - 1) // 2, "--compare tests 2 x --train-len"),
@@ -1770,11 +1789,20 @@ def check_paths(args, mode, runs, device, bad):
                                   [out] + [os.path.join(out, f) for f in RUN_FILES]):
         bad("--save: a file name for a single training run, such as runs/model.pt; not a "
             "folder, nor a file the run writes")
+    try:   # replacing an earlier checkpoint is fine, any other file is not
+        if args.save and os.path.isfile(args.save):
+            load_checkpoint(args.save)
+    except ValueError as e:
+        bad(f"--save: {e}; a checkpoint would replace it: choose a new file name")
+    if clash := [f for f in sorted(os.listdir(out)) if f.endswith((".png", ".json", ".md", ".jsonl")) and
+                 os.path.isdir(os.path.join(out, f))] if os.path.isdir(out) else []:
+        bad(f"--out {args.out or 'runs'}: {clash[0]} there is a folder, where a run writes a file")
     if mode in GRIDS:
         check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume,
                         bad)
     for flag, path in (("--save", args.save), ("--out", args.out or "runs")):
-        probe = path and (os.path.join(path, ".probe") if flag == "--out" else path + ".probe")
+        probe = path and (os.path.join(path, f".{os.getpid()}.probe") if flag == "--out" else
+                          f"{path}.{os.getpid()}.probe")   # a name no user file has
         try:
             if probe:
                 os.makedirs(os.path.dirname(os.path.abspath(probe)), exist_ok=True)
@@ -1796,15 +1824,20 @@ def check_runs_file(path, runs, device, mode, resume, bad):
     todo, planned = "rerun the command that wrote it, with --resume, or remove the file", set(runs)
     if lines and not resume:
         bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
+    if resume and not lines:   # a finished grid removes its runs file
+        print(f"--resume: no finished run in {path}, so every run trains now")
     for i, line in enumerate(lines, 1):
         try:
-            r = json.loads(line)
-            ok = keys <= set(r) and r["device"] == device and Config(**r["config"]) in planned
+            r, ok, why = json.loads(line), False, ""
+            c = Config(**r["config"])   # what differs from the nearest run of this command:
+            why = min(([f"{k} {getattr(c, k)!r}" for k in asdict(c) if getattr(c, k) != getattr(
+                p, k)] for p in planned), key=len) + [f"run on {r['device']}"] * (r["device"] != device)
+            ok = keys <= set(r) and not why
         except (ValueError, TypeError, KeyError):
-            ok = False
+            pass
         if not ok:
-            bad(f"{path}, line {i}: not a run of this command ({len(lines)} run(s) in the "
-                f"file): {todo}")
+            bad(f"{path}, line {i}: not a run of this command{' (its ' + ', '.join(why) + ')' if why else ''}"
+                f" ({len(lines)} run(s) in the file): {todo}")
 
 
 def main(argv=None):

@@ -2077,12 +2077,33 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
              {k: v for k, v in run.items() if k != "bema"}, {**run, "device": "cuda"}]
     path = tmp_path / "compare.runs.jsonl"
     for lines, flags, said in [([run], [], "holds 1 finished run(s)"),
-                               ([run], ["--resume", "--steps", "3"], "line 1: not a run")] + [
+                               ([run], ["--resume", "--steps", "3"], "(its steps 2)"),
+                               ([run], ["--resume", "--device", "auto"], "(its device 'cpu')")] + [
             ([run, x], ["--resume"], "line 2: not a run") for x in alien]:
         text = "".join(json.dumps(x) + "\n" for x in lines)
         path.write_text(text, encoding="utf-8")
         expect_exit_2(argv + SMALL + flags, said, capsys)
         assert path.read_text(encoding="utf-8") == text and os.listdir(tmp_path) == [path.name]
+
+
+def test_no_run_replaces_another_runs_file_nor_trips_over_a_folder_after_training(tmp_path, capsys,
+                                                                                monkeypatch):
+    # A --save onto a file that is no checkpoint, a folder where a run writes a file (a single
+    # run's or a grid's), --handout with no README.md beside the script: one line, exit 2.
+    (tmp_path / "prev").mkdir()
+    (tmp_path / "prev" / "metrics.json").write_text("{}", encoding="utf-8")
+    for name in ("metrics.json", "compare.runs.jsonl"):
+        (tmp_path / "r" / name).mkdir(parents=True)
+    for argv, flag in [(["--save", str(tmp_path / "prev" / "metrics.json")], "--save"),
+                       (["--out", str(tmp_path / "r")], "compare.runs.jsonl there is a folder"),
+                       (["--compare", "--out", str(tmp_path / "r")], "--out")]:
+        expect_exit_2(argv + SMALL, flag, capsys)
+    assert read(tmp_path / "prev" / "metrics.json") == "{}"
+    monkeypatch.setattr(R, "__file__", str(tmp_path / "starter.py"))
+    expect_exit_2(["--handout", "--out", str(tmp_path / "h")], "--handout", capsys)
+    monkeypatch.undo()
+    R.check_runs_file(str(tmp_path / "none.jsonl"), [], "cpu", "compare", True, None)
+    assert "no finished run" in capsys.readouterr().out
 
 
 def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_path):
@@ -2135,19 +2156,18 @@ def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
 
 
 def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
-    # README, "Threads": run as a script, GOMP_SPINCOUNT=1000 unless the user set one;
-    # imported (tests, notebooks), the file changes nothing.
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    # README, "Threads": run as a script, one thread (OMP_NUM_THREADS=1) unless the user set a
+    # count; imported (tests, notebooks), the file changes nothing.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="imported")
-    assert "GOMP_SPINCOUNT" not in os.environ
+    assert "OMP_NUM_THREADS" not in os.environ
     monkeypatch.setattr("sys.argv", ["resharpen.py", "--help"])
-    with pytest.raises(SystemExit):
-        runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
-    assert os.environ["GOMP_SPINCOUNT"] == "1000"
-    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
-    with pytest.raises(SystemExit):
-        runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
-    assert os.environ["GOMP_SPINCOUNT"] == "7"
+    for preset, want in ((None, "1"), ("3", "3")):
+        if preset:
+            monkeypatch.setenv("OMP_NUM_THREADS", preset)
+        with pytest.raises(SystemExit):
+            runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
+        assert os.environ["OMP_NUM_THREADS"] == want
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
@@ -2155,7 +2175,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
     # this process (no second start of torch), printing into a pipe whose reading end is closed.
     read_end, write_end = os.pipe()
     os.close(read_end)
-    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")   # restored afterwards
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # restored afterwards
     monkeypatch.setattr(sys, "argv", ["resharpen.py", "--theory", "--vocab", "4", "--train-len",
                                       "2", "--out", str(tmp_path)])
     with open(write_end, "w", buffering=1, encoding="utf-8") as pipe:
