@@ -1150,6 +1150,23 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
         assert inv == pytest.approx(tvd, rel=1e-6, abs=1e-14)   # TVD = invalid mass
 
 
+def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
+    v, gamma = 8, 1.3
+    pre, final = (R.hand_built(v, norm, gamma) for norm in ("pre", "pre-final"))
+    model = R.Transformer(R.replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
+    model.load_state_dict(pre.state_dict(), strict=False)   # ln_2 and the MLP are new
+    block, eye = model.blocks[0], torch.eye(2 * v, dtype=DT)
+    block.mlp[1] = torch.nn.Identity()   # a linear MLP whose two matrices multiply to I
+    block.mlp[0].weight.zero_()[:2 * v] = eye
+    block.mlp[2].weight.zero_()[:, :2 * v] = eye
+    idx = R.SetComplement(pre.cfg).sample(5, v - 1, torch.Generator().manual_seed(1))
+    assert torch.allclose(model(idx), pre(idx) + final(idx), atol=1e-12)
+    m = R.evaluate(model, n_perm=20)
+    assert m["logit_gap"] == pytest.approx([R.predicted_margin(v, "pre", s, gamma) +
+                                            R.predicted_margin(v, "pre-final", s, gamma)
+                                            for s in m["length"]], rel=1e-9)
+
+
 @pytest.mark.parametrize("v", [15, 16])
 def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
     # Theorem 3 on hand_built(v, 'post', gamma) at eps = 0: balanced at every length, and its
