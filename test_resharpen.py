@@ -2513,6 +2513,21 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
         "layers 2–4 focus, down to 3.4 nats below $\\log s$, except with `pre-final` and "
         "sampled targets, where every layer stays within 0.11 nats"])
     assert outside == 7 and len(seconds) == 6 and post[4] > 5 * post[3] and len(post) == 6
+    at_rate, best = {}, {}   # seed 0 at every rate (depth.md's second table), from the JSON
+    for d, r in ((d, r) for d in (1, 2, 3, 4) for r in load(f"plots/depth{d}/compare.json")["runs"]):
+        if (c := r["config"])["seed"] == 0:
+            at_rate.setdefault((d, f"{c['targets']}, {c['lr_schedule']}", c["lr"]), {})[
+                c["norm"]] = x = r["ema"]["tvd"][23]
+            best.setdefault((d, c["targets"]), {})[c["norm"]] = min(x, best.get(
+                (d, c["targets"]), {}).get(c["norm"], 1))
+    lowest = Counter(min(t, key=t.get) for t in at_rate.values())
+    oracle = [min(t, key=t.get) for t in best.values()]
+    assert len(at_rate) == 24 and oracle.count("pre") == 7 and best[1, "sampled"]["post"] < best[
+        1, "sampled"]["pre"] and "| 1 | sampled, constant | 0.001 | 0.2821 | 0.3235 | 0.1317 |" in table
+    assert_quoted([f"`pre` has the lowest TVD at 2 L in {lowest['pre']} of the 24 cases", f"`post` in "
+                   f"{lowest['post']} and `pre-final` in {lowest['pre-final']}", "`pre` is lowest in 7 of "
+                   f"the 8", f"({best[1, 'sampled']['post']:.4f}) is below `pre`'s lowest "
+                   f"({best[1, 'sampled']['pre']:.4f}, at its chosen 0.00316)"])
     assert max(A["pre"][:5]) < min(A["pre-final"][:5]) and max(s31["post"]) < min(s31["pre-final"])
     assert_quoted([f"by {min(ratios):.2f} to {max(ratios):.2f} times the next"], "README.md")
 
