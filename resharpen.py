@@ -1552,10 +1552,11 @@ def theory(vocab, train_len, out):
 # ----------------------------------------------------------------------------- hand-out
 # python resharpen.py --handout: the exercise sheet and a starter file for a class
 def starter_source():
-    """This file with the code of Exercises 1-3 replaced by NotImplementedError: what a
-    student completes. Between '# Exercise N: ...' and '# end of Exercise N' the comments
-    stay and the code goes."""
-    out, exercise = [], None
+    """This file, under a note, with the code of Exercises 1-3 replaced by NotImplementedError:
+    between '# Exercise N: ...' and '# end of Exercise N' the comments stay and the code goes."""
+    out, exercise = ["# starter.py: write Exercises 1-3 below; exercises.md holds all the "
+                     "exercises need.\n# theory.md and the READMEs cited below are kept back "
+                     "(theory.md until after Exercise 10)."], None
     for line in Path(__file__).read_text("utf-8").split("\n"):
         begin = re.match(r"\s*# Exercise (\d): ", line)
         if begin and not exercise:
@@ -1590,9 +1591,8 @@ REFERENCE = None   # the file graded is starter.py, or RESHARPEN's
 
 
 def handout(out):
-    """OUT/exercises.md: the README's Exercises section without the teacher's notes (the
-    paragraphs that start with '*For the teacher') and links; OUT/starter.py: the file the
-    students complete; OUT/grade.py: the graders, from test_resharpen.py."""
+    """OUT/exercises.md: the README's Exercises section without links and the '*For the teacher'
+    paragraphs; OUT/starter.py, what the students complete; OUT/grade.py, the tests' graders."""
     here = os.path.dirname(os.path.abspath(__file__))
     section = Path(here, "README.md").read_text("utf-8").split("\n## Exercises\n", 1)[1].split(
         "\n## ", 1)[0]   # to the next section

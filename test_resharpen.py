@@ -2810,26 +2810,28 @@ def grade_metrics(M):
     repeats = torch.randint(0, 7, (4, 5), generator=g)   # as in a language: s is not the position
     distinct = torch.stack([torch.randperm(7, generator=g)[:6] for _ in range(4)])  # s = 1..6
     a = torch.linspace(0.1, 0.3, 5, dtype=torch.double)[:, None]   # (5, 1): by position
-    first = lambda seen: ~seen & ((~seen).cumsum(-1) == 1)  # noqa: E731  the first unseen token
+    b = torch.linspace(0.0, 0.6, 4, dtype=torch.double)[:, None, None]   # (4, 1, 1): by input
+    first = lambda group: group & (group.cumsum(-1) == 1)  # noqa: E731  a group's first token
 
-    def spread(group):   # +0.4, -0.4, +0.4, ... over a group's tokens (0 for an odd one out)
-        rank, size = group.cumsum(-1) - 1, group.sum(-1, keepdim=True)
-        return torch.where(group & (rank < size - size % 2), 0.4 * (1 - 2 * (rank % 2)).double(), 0.0)
+    def skew(group, w):   # w (k - 1) on the first of a group's k tokens, -w on the others:
+        k = group.sum(-1, keepdim=True).double()   # mean 0, median -w when k > 2
+        return torch.where(first(group), w * (k - 1), -w * group.double())
     balanced = lambda s: s / (s + (7 - s) * math.exp(60))  # noqa: E731  TVD = invalid mass
     cases = [   # what the logits are, the inputs, the logits, the closed forms (n, T, 1)
         ("q = a on the seen tokens, 1/n + 0.1 on the first of the n unseen ones, less than 1/n "
          "on the others", repeats, lambda seen, s: torch.where(seen, a / s, torch.where(
-             first(seen), 1 / (7 - s) + 0.1, (0.9 - a - 1 / (7 - s)) / (6 - s))).log(),
+             first(~seen), 1 / (7 - s) + 0.1, (0.9 - a - 1 / (7 - s)) / (6 - s))).log(),
          lambda s: {"tvd": a + 0.1 + 0 * s, "invalid_mass": a + 0 * s}),
         ("logits 0 on the seen tokens and 60 on the unseen ones (TVD about 1e-26; at s = 6 "
          "q rounds to p* on the unseen token, so all of it is the excess on the seen ones)",
          distinct, lambda seen, s: torch.where(seen, 0.0, 60.0),
          lambda s: {"invalid_mass": balanced(s),
                     "tvd": torch.where(s == 6, balanced(s), math.nan)}),
-        ("logits -0.7 on the seen tokens and 1.5 on the unseen ones, each group's with +-0.4 "
-         "that sums to 0 over the group", repeats,
-         lambda seen, s: 2.2 * (~seen).double() - 0.7 + spread(seen) + spread(~seen),
-         lambda s: {"logit_gap": 2.2 + 0 * s})]
+        ("logits -0.7 on the seen tokens and 0.8 + a + b on the unseen ones (b by input: the gap "
+         "changes with input and position), each group skewed so that its median is not its mean",
+         repeats,
+         lambda seen, s: torch.where(seen, -0.7, 0.8 + a + b) + skew(seen, 0.3) + skew(~seen, -0.3),
+         lambda s: {"logit_gap": 1.5 + a + b + 0 * s})]
     for logits_are, idx, make_logits, closed_forms in cases:
         model = StandIn(M, idx, make_logits)
         m = M.evaluate(model, n_perm=len(idx), task=model)
@@ -2857,6 +2859,8 @@ def test_write_metrics():
 # end of the graders
 
 
+GAP = ("gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)\n"
+       "               - (logits * seen).sum(-1) / seen.sum(-1))")
 WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
     grade_ema: [("beta = self.beta(self.t)", "beta = 1 - self.decay"),     # no bias correction
                 ("beta = self.beta(self.t)",                                 # breaks BEMA
@@ -2874,7 +2878,11 @@ WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
                     ("- (logits * seen).sum(-1) / seen.sum(-1))",
                      "- (logits * seen).sum(-1) / T)"),
                     ("- (logits * seen).sum(-1) / seen.sum(-1))",          # the position as s
-                     "- (logits * seen).sum(-1) / torch.arange(1, T + 1))")],
+                     "- (logits * seen).sum(-1) / torch.arange(1, T + 1))"),
+                    (GAP, "gap = (logits.masked_fill(seen, math.nan).nanquantile(0.5, -1)\n"
+                          "               - logits.masked_fill(~seen, math.nan)"
+                          ".nanquantile(0.5, -1))"),                            # medians
+                    (GAP, GAP.replace(".sum(-1)", ".sum()") + ".expand(tvd.shape)")],  # pooled
 }
 
 
@@ -2923,6 +2931,10 @@ def test_the_handout_stands_alone_and_holds_no_answer(tmp_path, capsys):
             assert line not in text, line
     assert all(f'NotImplementedError("Exercise {n}:' in starter for n in (1, 2, 3))
     assert "WRONG_CODE" not in grade and "def test_write_post" in grade and "Answers" not in starter
+    note = starter.split('"""', 1)[0]   # comments on top: theory.md and the READMEs are kept back
+    assert re.fullmatch(r"(# .*\n)+", note) and "README" in note and compile(starter, "s", "exec")
+    assert "theory.md until after Exercise 10" in note
+    assert "Give `theory.md` after Exercise 10" in read("README.md")   # as the teacher's note says
     # No line of grade.py or starter.py computes an answer, in any spelling we can foresee:
     # spaces, comments and the object a name is read from (self., block., M., F.) dropped.
     spell = lambda code: re.sub(r"\b[A-Za-z_]\w*\.|\s", "", re.sub(r"#.*", "", code))  # noqa: E731
