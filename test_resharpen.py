@@ -2219,8 +2219,8 @@ def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monk
 
 @pytest.mark.parametrize("table", ["compare.md", "long/compare.md", "alternatives.md", "search.md",
                                    "suite.md", "tuned/compare.md", "search_tuned/search.md"] + [
-    os.path.relpath(p, os.path.join(HERE, "plots")) for p in sorted(glob.glob(os.path.join(
-        HERE, "plots", "depth*", "**", "compare.md"), recursive=True))])
+    os.path.relpath(p, os.path.join(HERE, "plots")) for d in ("depth*", "mlp_norm") for p in sorted(
+        glob.glob(os.path.join(HERE, "plots", d, "**", "compare.md"), recursive=True))])
 def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
                                                                       monkeypatch, capsys):
     # Rerun the command named in the table's first line with run_grid answering from the
