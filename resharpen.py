@@ -398,9 +398,8 @@ class BEMA(EMA):
         alpha_t = (rho + gamma t)^-eta              the strength of the correction
         ema_t   = (1 - beta_t) ema_{t-1} + beta_t theta_t,   ema_0 = theta_0
         bema_t  = alpha_t (theta_t - theta_0) + ema_t
-    theta_0 is the initialization (no burn-in). The correction adds back a fraction of
-    the drift since theta_0, which cancels the lag an average has behind moving weights.
-    It is computed when asked for, from the model's current weights theta_t."""
+    theta_0 is the initialization (no burn-in). Adding back a fraction of the drift since
+    theta_0 cancels an average's lag behind moving weights; computed from the live theta_t."""
 
     def __init__(self, model, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0, correct=True):
         super().__init__(model, decay=None)
@@ -421,11 +420,10 @@ class BEMA(EMA):
 
 
 # ----------------------------------------------------------------------------- languages
-# Formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k, as tasks with
-# SetComplement's four methods. Tokens: 0 .. k-1 open brackets, k .. 2k-1 their closes, 2k
-# END. A stream is a run of strings, each ended by END, after which the next string starts
-# from the empty state; so every position has an exact next-token distribution, given by a
-# small automaton (theory.md, Appendix D).
+# Formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k. Tokens: 0 .. k-1
+# open brackets, k .. 2k-1 their closes, 2k END. A stream is a run of strings, each ended by END,
+# after which the next string starts from the empty state; so every position has an exact
+# next-token distribution, given by a small automaton (theory.md, Appendix D).
 class Language:
     """Dyck-(k, D) or Shuffle-k (cfg.task 'dyck' or 'shuffle'), with SetComplement's methods."""
 
@@ -464,8 +462,7 @@ class Language:
         """Advance every row's automaton by one token (n,)."""
         k, D = self.cfg.brackets, self.cfg.max_depth
         sign = (tok < k).long() - ((tok >= k) & (tok < 2 * k)).long()   # +1 open, -1 close, 0 END
-        kind = tok % k
-        slot = state["depth"].clamp(0, D - 1)[:, None]
+        kind, slot = tok % k, state["depth"].clamp(0, D - 1)[:, None]
         pushed = torch.where(sign > 0, kind, state["stack"].gather(1, slot)[:, 0])
         state["stack"].scatter_(1, slot, pushed[:, None])
         state["depth"] = (state["depth"] + sign).clamp(0, D)
@@ -500,8 +497,7 @@ class Language:
 
 
 def make_task(cfg):
-    """The task object cfg names, for train() and evaluate(). A language's vocabulary is
-    always 2k + 1 (k opens, k closes, END): its Config, with that vocabulary, is task.cfg."""
+    """The task object cfg names; a language's Config, with vocabulary 2k + 1, is task.cfg."""
     return (SetComplement(cfg) if cfg.task == "complement" else
             Language(replace(cfg, vocab=2 * cfg.brackets + 1)))
 
@@ -587,7 +583,6 @@ def shade_training(ax, train_len, n, label="training lengths"):
 
 
 def md_table(header, rows):
-    """Markdown table lines from a header and rows of cells."""
     return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
         "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
@@ -643,8 +638,7 @@ def plot_panels(panels, train_len, n, ncol=4, overlay=None):
 
 
 def finish(out, name, text, command, details, figures, done, wall, workers, **record):
-    """Print a grid's table with its size and time; write it (and its command) to name.md, its
-    figures, and name.json: record and every run."""
+    """Print the table with the grid's size and time; write name.md, the figures, name.json."""
     wall = round(wall, 1)   # the table's seconds are the JSON's
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
         f", {RESUMED} of them resumed from an interrupted command (the wall counts their own "
@@ -661,7 +655,6 @@ def finish(out, name, text, command, details, figures, done, wall, workers, **re
 # ----------------------------------------------------------------------------- main command
 # python resharpen.py [flags]: train, evaluate at every length, print, write the figures
 def format_table(metrics, train_len, raw=None):
-    """A compact table, one row per selected length."""
     n = len(metrics["length"])
     rows = sorted({1, 2, 4, train_len, train_len + 1, 2 * train_len, n} | set(range(8, n, 8)))
     log_n = "log(s+1)" if metrics["log_positions"][0] > 0 else "log s"   # BOS is one more
@@ -677,8 +670,7 @@ def format_table(metrics, train_len, raw=None):
 
 
 def plot_length(metrics, cfg, raw=None, average="EMA", laws=True):
-    """length.png: the TVD; the logit gap (log scale) with theory.md's laws matched at L (1/s,
-    v / sqrt(s (v - s))); attention entropy minus log(positions seen), 0 if uniform."""
+    """length.png: TVD; logit gap with theory.md's laws matched at L; attention entropy - log s."""
     fig, axes = new_figure(3)
     s, L, v = metrics["length"], cfg.train_len, cfg.vocab
     for m, color, lw, label in ([(raw, "tab:gray", 1.2, "raw weights")] if raw else []) + [
@@ -726,8 +718,7 @@ def run_one(cfg, out, save=None):
           f"[{NORMS[cfg.norm]}], averaging={average}, targets={cfg.targets}, "
           f"lr={cfg.lr} {cfg.lr_schedule}, seed={cfg.seed}, device={pick_device(cfg.device)}")
     t0 = time.time()
-    model, averages, losses = train(cfg, task, averagers=(lambda m: [BEMA(m)]) if cfg.bema
-                                    else None)
+    model, averages, losses = train(cfg, task, averagers=(lambda m: [BEMA(m)]) if cfg.bema else None)
     train_time, raw = time.time() - t0, evaluate(model, task=task)
     metrics = evaluate(averaged_copy(model, averages[0]), task=task) if averages else raw
     raw = raw if averages else None
@@ -756,13 +747,16 @@ def run_one(cfg, out, save=None):
 
 
 # ----------------------------------------------------------------------------- grids
-COMPARE_SEEDS = 3
-COMPARE_EMA = 0.999
+COMPARE_SEEDS, COMPARE_EMA = 3, 0.999   # seeds per setting; every grid's EMA decay
+REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
+           ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
 AVERAGES = ("raw", "ema", "bema")
 AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
 AVERAGERS = {"ema": lambda m: EMA(m, COMPARE_EMA), "bema": BEMA}
 COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
           "post-residual": "tab:purple"}
+RUNS_FILE = None   # main() sets it to OUT/MODE.runs.jsonl: a grid's finished runs, one a line
+RESUMED = 0        # how many of them run_grid took from an interrupted command (--resume)
 
 
 def train_and_evaluate(cfg, averages=("ema", "bema"), threads=None):
@@ -783,10 +777,6 @@ def grid_workers(runs, device):
     """Every CPU core this process may use, one run each; one run at a time on a GPU."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return min(cores or 1, len(runs)) if device == "cpu" else 1
-
-
-RUNS_FILE = None   # main() sets it to OUT/MODE.runs.jsonl: a grid's finished runs, one a line
-RESUMED = 0        # how many of them run_grid took from an interrupted command (--resume)
 
 
 def resumable():   # whether an interrupted grid left finished runs for --resume
@@ -810,16 +800,14 @@ def finished_runs():
 
 
 def run_grid(runs, device, averages=("ema", "bema"), later=0):
-    """Train and evaluate every run, one per core, a progress line each (the ETA counts `later`
-    runs too); append each to RUNS_FILE and skip those already there (their seconds / workers
-    count in the wall). Returns (results in the order of runs, wall seconds, workers)."""
+    """Train and evaluate the runs, one per core, printing a line each (its ETA counts `later` runs
+    too); append each to RUNS_FILE, skip those there. Returns (results in order, wall, workers)."""
     global RESUMED
     workers, old, t0, pool = grid_workers(runs, device), finished_runs(), time.time(), None
-    done = [(c, *old[c]) for c in runs if c in old]
+    done, todo = [(c, *old[c]) for c in runs if c in old], [c for c in runs if c not in old]
     RESUMED, before = RESUMED + len(done), sum(d[2] for d in done) / workers
     print(f"{len(runs)} training runs on {device}, {workers} at a time" +
           (f"; {len(done)} done before, in {RUNS_FILE}" if done else ""), flush=True)
-    todo = [c for c in runs if c not in old]
     try:
         if workers > 1:
             import multiprocessing
@@ -837,8 +825,7 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
                 with open(RUNS_FILE, "a", encoding="utf-8") as f:
                     f.write(json.dumps({"config": asdict(cfg), "device": device,
                                         "seconds": seconds, **result}) + "\n")
-            left = math.ceil((len(runs) - len(done) + later) / workers)
-            eta = mean([d[2] for d in done]) * left
+            eta = mean([d[2] for d in done]) * math.ceil((len(runs) - len(done) + later) / workers)
             tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
                             for a, m in result.items())
             print(f"[{len(done):2d}/{len(runs)}] {make_task(cfg).name:13s} {cfg.norm:13s} "
@@ -853,17 +840,12 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
 
 # ----------------------------------------------------------------------------- comparison
 # python resharpen.py --compare: every claim of the paper, 3 seeds each (README, "Results")
-REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
-           ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
-
-
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
     """Each placement in each regime (at each rate), COMPARE_SEEDS seeds; each run is evaluated
     with its raw, EMA and BEMA weights (averages never feed back: 'EMA off' is the raw run)."""
     seeds = [base.seed + i for i in range(COMPARE_SEEDS)] if seeds is None else seeds
-    return [replace(base, norm=n, targets=t, lr_schedule=sch, lr=lr or base.lr, ema=0.0,
-                    bema=False, seed=s)
-            for t, sch in regimes for n in norms for lr in lrs for s in seeds]
+    return [replace(base, norm=n, targets=t, lr_schedule=sch, lr=lr or base.lr, seed=s, ema=0.0,
+                    bema=False) for t, sch in regimes for n in norms for lr in lrs for s in seeds]
 
 
 def tune_rates(base, norms, regimes, lrs, device):
@@ -881,9 +863,8 @@ def tune_rates(base, norms, regimes, lrs, device):
 
 
 def columns(L, v):
-    """The comparison's columns, fixed before any run (plots/README.md, P1-P5): mean TVD over the
-    training lengths; TVD at 1.5, 2 and 4 times the longest training length L (where that
-    length exists, s <= v - 1); mean TVD over every longer length; TVD at s = v - 1."""
+    """The comparison's columns, fixed before any run (plots/README.md, P1-P5): mean TVD on the
+    training lengths; TVD at 1.5, 2, 4 L if s <= v - 1; mean TVD beyond L; TVD at s = v - 1."""
     cols = [("training lengths", lambda m: summarize(m, L)["tvd_train"])] + [
         (f"s = {s} ({r:g} L)", lambda m, s=s: m["tvd"][s - 1])
         for r, s in ((r, round(r * L)) for r in (1.5, 2, 4)) if L < s <= v - 1]
@@ -899,8 +880,7 @@ def crossover(post, rival):
 
 
 def compare_summary(rows, L, v, norms, regimes):
-    """Every number of the comparison's tables, for compare.json and the README's tests:
-    {regime: {norm: {average: {column: [one value per seed]}}, 'crossover': {average: s}}}."""
+    """For compare.json: {regime: {norm: {avg: {column: [per seed]}}, 'crossover': {avg: s}}}."""
     out = {}
     for t, sch in regimes:
         r = out[f"{t}, {sch}"] = {}
@@ -908,9 +888,8 @@ def compare_summary(rows, L, v, norms, regimes):
             r[norm] = {avg: {name: [f(m) for m in rows[(norm, t, sch, avg)]]
                              for name, f in columns(L, v)} for avg in AVERAGES}
         if {"post", "pre-final"} <= set(norms):
-            r["crossover"] = {avg: crossover(rows[("post", t, sch, avg)],
-                                             rows[("pre-final", t, sch, avg)])
-                              for avg in AVERAGES}
+            r["crossover"] = {a: crossover(rows["post", t, sch, a], rows["pre-final", t, sch, a])
+                              for a in AVERAGES}
     return out
 
 
@@ -928,9 +907,8 @@ def compare_table(summary, L, v, norms):
         f"{r} L = {r * L}" for r in tested) + f" (EMA {COMPARE_EMA}, mean of {COMPARE_SEEDS} "
         "seeds)", ""] + md_table(["placement"] + regimes, rows)
     for r in regimes:
-        rows = [[f"`{norm}`", AVERAGE_LABELS[avg]] + [mean_sd(summary[r][norm][avg][n], 4)
-                                                      for n in names]
-                for norm in norms for avg in AVERAGES]
+        rows = [[f"`{n}`", AVERAGE_LABELS[a], *(mean_sd(summary[r][n][a][c], 4) for c in names)]
+                for n in norms for a in AVERAGES]
         out += ["", f"### {r} (TVD, mean +- sd over seeds)", ""] + md_table(
             ["placement", "weights"] + names, rows)
         if "crossover" in summary[r]:
@@ -990,8 +968,7 @@ def norm_curves(runs, f, post_lw=2.5):
 
 
 def plot_compare_norms(rows, cfg):
-    """compare_norms.png, the README's first figure (sampled, constant, EMA weights): the logit
-    gap with theory.md's laws matched at L, the TVD, and attention entropy minus log s."""
+    """compare_norms.png, the README's first figure (sampled targets, constant rate, EMA weights)."""
     L, v = cfg.train_len, cfg.vocab
     runs = {n: rows[(n, "sampled", "constant", "ema")]   # the remedy drawn last, on top
             for n in ("pre", "post-residual", "pre-final", "post")}
@@ -1000,8 +977,7 @@ def plot_compare_norms(rows, cfg):
     return plot_panels([
         ("the logit gap: Pre-Norm's falls like 1/s", "unseen minus seen logit (log)",
          dict(yscale="log"), curves(lambda m: m["logit_gap"])),
-        ("the error: TVD to the exact target", "TVD", dict(ylim=(0, 1)),
-         curves(lambda m: m["tvd"])),
+        ("the error: TVD to the exact target", "TVD", dict(ylim=(0, 1)), curves(lambda m: m["tvd"])),
         ("attention: uniform but for post-residual", "attention entropy - log s (nats)", dict(ylim=(-0.3, 0.05)),
          curves(lambda m: [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]))],
         L, v - 1, ncol=6,
@@ -1017,8 +993,7 @@ def plot_regimes(rows, cfg, norms, regimes):
 
 
 def compare(base, out, command, norms=None, regimes=None, lrs=None):
-    """python resharpen.py --compare: compare.md, .json and 2 figures (norms, regimes: a subset,
-    and only the regimes figure; lrs: rates to tune over, tune_rates)."""
+    """--compare: compare.md and .json, 2 figures (1 with norms or regimes); lrs: tune_rates."""
     full, device, chosen = norms is None and regimes is None, pick_device(base.device), {}
     norms, regimes = norms or tuple(NORMS), regimes or REGIMES
     if lrs and len(lrs) > 1:
@@ -1052,10 +1027,8 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
 
 
 def depth_sweep(root, out=None):
-    """OUT/depth.md and .png (OUT: root) from root/depthN/compare.json, more seeds in its folders:
-    TVD at 2 L and on the training lengths against depth (EMA weights, chosen rates); the lowest
-    at 2 L, outside seed noise if its seeds are all below the others' (P10); paired t interval;
-    each grid's first seed at every rate. Folders and regimes it cannot combine: one line."""
+    """OUT/depth.md and .png (OUT: root) from root/depthN/**/compare.json: each placement's TVD
+    against depth (EMA, chosen rates), seed noise at 2 L (P10); each first seed at every rate."""
     pool, rates = {}, {}   # (layers, regime, norm, column): each seed's; (layers, regime, lr): ...
     for p in sorted(Path(root).glob("depth*/**/compare.json")):
         if not re.fullmatch(r"depth\d+", top := p.relative_to(root).parts[0]):
@@ -1116,10 +1089,9 @@ def mlp_norm_table(root, out=None):
         for normed, q in (("yes", Path(root, f"depth{p.parent.name[6:]}/compare.json")), ("no", p)):
             rec = json.loads(q.read_text("utf-8"))
             for c, m in [(Config(**r["config"]), r["ema"]) for r in rec["runs"]]:
-                if rec["chosen_lr"][f"{c.norm}, {c.targets}, {c.lr_schedule}"] == c.lr and (
-                        c.norm == "pre"):
-                    group.setdefault((c.n_layer, f"{c.targets}, {c.lr_schedule}", normed),
-                                     []).append((m, c.train_len))
+                regime = f"{c.targets}, {c.lr_schedule}"
+                if c.norm == "pre" and rec["chosen_lr"][f"pre, {regime}"] == c.lr:
+                    group.setdefault((c.n_layer, regime, normed), []).append((m, c.train_len))
     at = {k: [m["tvd"][2 * L - 1] for m, L in ms] for k, ms in group.items()}
     rows = []
     for k in sorted(group, key=lambda k: (k[0], k[1][0] == "e", k[2] == "no")):  # sampled first
@@ -1173,10 +1145,8 @@ def plot_alternatives(named, cfg):
               dict(lw=3 if name.startswith("post") else 1.5, ls=("-", "--")[i % 2],
                    zorder=(5 if name.startswith("post") else 3) + i % 2)
               for i, name in enumerate(named)]
-
-    def curves(f):
-        return {name: (c, [f(r["ema"]) for r in results], style)
-                for (name, results), c, style in zip(named.items(), colors, styles)}
+    curves = lambda f: {name: (c, [f(r["ema"]) for r in results], style)  # noqa: E731
+                        for (name, results), c, style in zip(named.items(), colors, styles)}
     return plot_panels([
         ("the error, EMA weights", "TVD to the exact target", dict(ylim=(0, 1)),
          curves(lambda m: m["tvd"])),
@@ -1195,9 +1165,8 @@ def alternatives(base, out, command):
         f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. ")
     details = (f"v={base.vocab}, train lengths 1..{base.train_len}, {base.steps} steps, batch "
                f"{base.batch_size}, lr {base.lr}, sampled targets, constant learning rate")
-    finish(out, "alternatives", text, command, details,
-           {"alternatives.png": plot_alternatives(named, base)}, done, wall, workers,
-           config=asdict(base))
+    finish(out, "alternatives", text, command, details, {"alternatives.png": plot_alternatives(
+        named, base)}, done, wall, workers, config=asdict(base))
 
 
 # ----------------------------------------------------------------------------- search
@@ -1218,9 +1187,8 @@ def search_configs(n, seed, lrs=None, mlp=False):
         v, heads = g.randint(16, 64), g.randint(1, 4)
         base = Config(vocab=v, train_len=g.randint(math.ceil(v / 4), (v - 1) // 2),
                       n_head=heads, n_embd=heads * math.ceil((2 * v - 2) / heads),
-                      lr=round(10 ** g.uniform(math.log10(3e-4), -2), 6),
-                      batch_size=round(2 ** g.uniform(6, 8)), steps=g.randint(1000, 4000),
-                      seed=seed + i)
+                      lr=round(10 ** g.uniform(math.log10(3e-4), -2), 6), seed=seed + i,
+                      batch_size=round(2 ** g.uniform(6, 8)), steps=g.randint(1000, 4000))
         if lrs:
             base = replace(base, batch_size=g.randint(192, 256), steps=g.randint(4000, 8000))
         if mlp:
@@ -1333,7 +1301,6 @@ def search_losses(configs, results):
 
 def plot_search(configs, results, rivals):
     """search.png: the paired ratio at 2 L against the pair's training TVD, per rival."""
-    import matplotlib.ticker
     fig, axes, ref = *new_figure(len(rivals)), reference(configs)
     for ax, rival in zip(axes, rivals):
         for avg, style in (("ema", dict(color="tab:blue", label=f"EMA {COMPARE_EMA}")),
@@ -1350,7 +1317,7 @@ def plot_search(configs, results, rivals):
             lo, hi = axis.get_view_interval()
             shown = [t for t in ticks if lo <= t <= hi]
             axis.set_ticks(shown, labels=[f"{t:g}" for t in shown])
-            axis.set_minor_locator(matplotlib.ticker.NullLocator())
+            axis.set_ticks([], minor=True)
         ax.legend(fontsize=8)
     return fig
 
@@ -1371,18 +1338,16 @@ def search_text(configs, results, n, lrs):
                       for group, st in h[rival][avg].items() if st["n"]])
     tvd = lambda c, s: results[c]["ema"]["tvd"][s - 1]  # noqa: E731
     train = lambda c: summarize(results[c]["ema"], c.train_len)["tvd_train"]  # noqa
-    arms = list(search_arms(configs[0], results))
-    rows = []
+    arms, rows, lowest = list(search_arms(configs[0], results)), [], []
     for i, runs in enumerate(configs):
         best = search_arms(runs, results)
         c, L = best[ref][0], runs[0].train_len
         cells = [f"{train(r):.3f}, {tvd(r, 2 * L):.3f}" + (f" (lr {r.lr:g})" if lrs else "")
                  for r, _ in best.values()]
         win = tvd(best["pre-final"][0], 2 * L) > tvd(c, 2 * L)
+        lowest.append(min(arms, key=lambda a: tvd(best[a][0], 2 * L)))   # reported with MLPs
         rows.append([i, c.vocab, L, *[c.n_layer] * mlp, c.n_head, c.n_embd, "tuned" if lrs
                      else f"{c.lr:.2g}", c.batch_size, c.steps, *cells, "yes" if win else "no"])
-    lowest = [min(arms, key=lambda a: tvd(search_arms(r, results)[a][0], 2 * r[0].train_len))
-              for r in configs]   # with MLPs: how often each arm is lowest at 2 L
     configurations = md_table(["#", "v", "L", *["layers"] * mlp, "heads", "width", "lr", "batch",
                                "steps"] + [f"{a}: train, 2 L" for a in arms] +
                               [f"{ref} beats pre-final"], rows)
@@ -1414,24 +1379,21 @@ def search(base, out, n, command, lrs=None):
 # ----------------------------------------------------------------------------- language suite
 # python resharpen.py --suite: do the remedies carry over? (README, "Formal languages")
 SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffle", brackets=2))
-# Counting and matching brackets need more than a bag of tokens: two layers (the second
-# reads what the first computed at every position), an MLP to read counts, and a BOS
-# token, whose share of uniform attention, 1 / (t + 1), tells the model how long its
-# prefix is (theory.md, Appendix D). Trained on lengths 1..16, tested to 64.
+# Counting and matching brackets need more than a bag of tokens: two layers (the second reads
+# what the first computed at every position), an MLP to read counts, and a BOS token, whose share
+# of uniform attention, 1 / (t + 1), tells the model how long its prefix is (theory.md, App. D).
 SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True, dropout=0.0,
                    steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant", targets="sampled")
-SUITE_NORMS = ("pre", "pre-final", "post")
-SUITE_SEEDS = 5
+SUITE_NORMS, SUITE_SEEDS = ("pre", "pre-final", "post"), 5
 T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
        10: 2.262}   # Student's t, two-sided 95 %, by the number of paired values (n - 1 df)
 
 
 def suite_grid(base, **overrides):
     """Every language x SUITE_NORMS x SUITE_SEEDS seeds, with SUITE_MODEL's settings."""
-    seeds = [base.seed + i for i in range(SUITE_SEEDS)]
     settings = {**SUITE_MODEL, **overrides, "ema": 0.0, "bema": False}
-    return [make_task(replace(base, **settings, **lang, norm=norm, seed=s)).cfg
-            for lang in SUITE_LANGUAGES for norm in SUITE_NORMS for s in seeds]
+    return [make_task(replace(base, **settings, **lang, norm=norm, seed=base.seed + i)).cfg
+            for lang in SUITE_LANGUAGES for norm in SUITE_NORMS for i in range(SUITE_SEEDS)]
 
 
 def mean_interval(xs):
@@ -1439,14 +1401,6 @@ def mean_interval(xs):
     n, m = len(xs), mean(xs)
     half = T95[n] * math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
     return m, m - half, m + half
-
-
-def suite_results(done):
-    """{(language, norm): [the result of each seed]}, in the grid's order (run_grid's)."""
-    groups = {}
-    for c, r, _ in done:
-        groups.setdefault((make_task(c).name, c.norm), []).append(r)
-    return groups
 
 
 def suite_pairs(groups, L):
@@ -1463,8 +1417,7 @@ def suite_pairs(groups, L):
                      "mean (95 % t interval)", "distinguishable from seed noise"], rows)
 
 
-def suite_table(done):
-    L, groups = done[0][0].train_len, suite_results(done)
+def suite_table(groups, L):
     rows = [[name, f"`{norm}`", AVERAGE_LABELS[avg], *tvd_cells(ms, L),
              mean_sd([mean(m["invalid_mass"][L:]) for m in ms])]
             for (name, norm), results in groups.items() for avg in ("raw", "ema")
@@ -1477,9 +1430,8 @@ def suite_table(done):
     return "\n".join(out + suite_pairs(groups, L) + ["", ""])
 
 
-def plot_suite(done):
+def plot_suite(groups, L):
     """suite.png: TVD against position per language and placement (EMA weights)."""
-    L, groups = done[0][0].train_len, suite_results(done)
     return plot_panels([(name, "TVD to the exact next-token distribution", dict(xlabel="position"),
                          {norm: (COLORS[norm], [r["ema"]["tvd"] for r in groups[name, norm]],
                                  dict(lw=2)) for norm in SUITE_NORMS})
@@ -1489,17 +1441,19 @@ def plot_suite(done):
 def suite(base, out, command, **overrides):
     """python resharpen.py --suite: the languages, then suite.md, suite.json, suite.png."""
     done, wall, workers = run_grid(suite_grid(base, **overrides), pick_device(base.device))
+    groups, L = {}, done[0][0].train_len   # {(language, norm): [each seed's result]}, grid order
+    for c, r, _ in done:
+        groups.setdefault((make_task(c).name, c.norm), []).append(r)
     settings = ", ".join(f"{k} {v}" for k, v in {**SUITE_MODEL, **overrides}.items())
-    finish(out, "suite", suite_table(done), command, settings, {"suite.png": plot_suite(done)},
-           done, wall, workers)
+    finish(out, "suite", suite_table(groups, L), command, settings,
+           {"suite.png": plot_suite(groups, L)}, done, wall, workers)
 
 
 # ----------------------------------------------------------------------------- theory
 # python resharpen.py --theory: Part 1's hand-built models against their formulas
 def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
-    """theory.md, sections 2 and 4 and Appendix C: unseen minus seen logit at length s for
-    hand_built(vocab, norm, gamma). The values' average u_bar = 1_t / s - 1/v has seen-unseen
-    difference 1/s; each LayerNorm divides it by the spread of what it sees."""
+    """hand_built's unseen minus seen logit at length s (theory.md, 2, 4, C): the values' average
+    u_bar = 1_t / s - 1/v differs by 1/s; each LayerNorm divides it by the spread it sees."""
     n = 2 * vocab
     var_1 = (n - 1) / n**2 + eps   # the input LN (pre, pre-final) sees one token e_(v+x)
     if norm == "pre":
@@ -1608,18 +1562,6 @@ def handout(out):
 
 
 # ----------------------------------------------------------------------------- command line
-MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "mlp_norm", "bos",
-               "attn_scale", "steps", "batch_size", "lr"}
-MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
-    "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"}, "search": {"lrs", "mlp", "resume"},
-    "suite": set(SUITE_MODEL) | {"resume"}, "theory": {"vocab", "train_len"}, "handout": set()}
-LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
-          "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "search": (1, 100),
-          "seed": (0, 2**32 - SUITE_SEEDS), "lr": (1e-12, 1e6), "ema": (0, 0.999999)}
-MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_memory)
-
-
 def comma_list(item, ok, wants):
     """An argparse type: distinct items separated by commas, each item(text) and ok(item)."""
     def parse(text):
@@ -1633,6 +1575,18 @@ def comma_list(item, ok, wants):
     return parse
 
 
+MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "mlp_norm", "bos",
+               "attn_scale", "steps", "batch_size", "lr"}
+MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
+    "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
+    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"}, "search": {"lrs", "mlp", "resume"},
+    "suite": set(SUITE_MODEL) | {"resume"}, "theory": {"vocab", "train_len"}, "handout": set()}
+LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
+          "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "search": (1, 100),
+          "seed": (0, 2**32 - SUITE_SEEDS), "lr": (1e-12, 1e6), "ema": (0, 0.999999)}
+MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_memory)
+
+
 FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); every default None
     ("--task", ["complement", "dyck", "shuffle"], "Set Complement, or Dyck-(2, 4) or Shuffle-2"),
     ("--vocab", int, "vocabulary size v (a language's is 5)"),
@@ -1642,8 +1596,7 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--n-head", int, "attention heads per block, dividing --n-embd"),
     ("--mlp", bool, "add an MLP to each block (off: attention only); --search: 1-3 blocks"),
     ("--no-mlp-norm", dict(action="store_const", dest="mlp_norm", const=False), "with --mlp, drop "
-     "the block's own MLP norm: pre, pre-final: x + MLP(x), not x + MLP(LN(x)); post: x + MLP(x), "
-     "not x + LN(MLP(x)); post-residual: x + MLP(x), not LN(x + MLP(x))"),
+     "the block's own MLP norm ln_2: every placement adds x + MLP(x)"),
     ("--bos", bool, "prepend a beginning-of-sequence token to every input"),
     ("--attn-scale", list(ATTENTIONS), "logn: scores times s_h log(n) (Scalable-Softmax)"),
     ("--steps", int, "optimizer steps"), ("--batch-size", int, "sequences per step"),
@@ -1654,25 +1607,20 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
     ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
     ("--lrs", comma_list(float, lambda x: 0 < x <= 1, "distinct rates in (0, 1] separated by "
-                         "commas (such as 0.001,0.01)"), "--compare, --search: train each "
-     "placement at every rate LR,LR,...; each keeps the one with the lowest training-length TVD "
-     "(EMA weights) on the first seed"),
+                         "commas (such as 0.001,0.01)"), "--compare, --search: each placement "
+     "at every rate, keeping the rate of lowest training-length TVD (EMA weights, first seed)"),
     ("--norms", comma_list(str, NORMS.__contains__, f"each of {', '.join(NORMS)} at most once"),
      "--compare: only these placements"),
     ("--regimes", comma_list(lambda x: tuple(x.split("/")), REGIMES.__contains__, "each of "
                              f"{', '.join(map('/'.join, REGIMES))} at most once"),
      "--compare: only these, such as sampled/constant"),
-    ("--resume", bool, "a grid: keep the runs that an interrupted command recorded in "
-     "OUT/MODE.runs.jsonl (each grid appends every finished run there)"),
+    ("--resume", bool, "a grid: keep the runs an interrupted command left in OUT/MODE.runs.jsonl"),
     ("--norm", list(NORMS), "where the LayerNorm sits, below"),
-    ("--post-norm", dict(action="store_const", dest="norm", const="post"),
-     "shorthand for --norm post: x + LN(Attn(x))"),
-    ("--ema", float, "EMA decay of the weights; 0 = off"),
-    ("--bema", bool, "average with BEMA (bias-corrected EMA) instead"),
+    ("--post-norm", dict(action="store_const", dest="norm", const="post"), "same as --norm post"),
+    ("--ema", float, "weight EMA decay; 0 = off"), ("--bema", bool, "bias-corrected EMA instead"),
     ("--compare", bool, f"every placement x targets x schedule, {COMPARE_SEEDS} seeds"),
     ("--alternatives", bool, "Pre-Norm with dropout, log-length scaling or BOS, against Post-Norm"),
-    ("--suite", bool, f"the formal languages, {SUITE_SEEDS} seeds, own settings (its flags "
-     "override)"),
+    ("--suite", bool, f"the formal languages, {SUITE_SEEDS} seeds, own settings (flags override)"),
     ("--theory", bool, "theory.md's hand-built models against their formulas"),
     ("--handout", bool, "a class's exercise sheet and starter file"),
     ("--search", dict(type=int, nargs="?", const=SEARCH_DEFAULT, metavar="N"), "paired random "
@@ -1683,16 +1631,13 @@ EXCLUSIVE = [{"--norm", "--post-norm"}, {"--ema", "--bema"},   # at most one of 
              {f"--{m}" for m in GRIDS + ("theory", "handout")}]   # instead of one training run
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line naming the flag, exit status 2: no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser():
     """Every flag defaults to None: check_args sees which were given; Config fills the rest."""
-    p = Parser(allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-               description=__doc__.split("\n\n")[1], epilog="where the LayerNorm sits "
-               "(--norm):\n" + "\n".join(f"  {k:14s} {v}" for k, v in NORMS.items()))
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="where the LayerNorm sits (--norm):\n" + "\n".join(
+                                    f"  {k:14s} {v}" for k, v in NORMS.items()))
+    p.error = lambda msg: p.exit(2, f"{p.prog}: error: {msg}\n")   # one line naming the flag
     groups = [(names, p.add_mutually_exclusive_group()) for names in EXCLUSIVE]
     for name, kind, text in FLAGS:
         default = getattr(Config(), name[2:].replace("-", "_"), None)
@@ -1713,8 +1658,7 @@ def peak_memory(cfg):
                  + (16 if cfg.targets == "exact" else 4) * cfg.vocab)
     n = (cfg.vocab - 1 if cfg.task == "complement" else 4 * cfg.train_len) + cfg.bos
     per_input = n * (cfg.vocab + 4 * C + (n + 1) * cfg.n_head * L)
-    return 2**29 + 48 * params + 16 * cfg.batch_size * T * per_token + 32 * max(EVAL_CHUNK,
-                                                                                per_input)
+    return 2**29 + 48 * params + 16 * cfg.batch_size * T * per_token + 32 * max(EVAL_CHUNK, per_input)
 
 
 def planned_runs(mode, cfg, args, suite_flags):
@@ -1728,10 +1672,8 @@ def planned_runs(mode, cfg, args, suite_flags):
 
 
 def check_args(args, parser):
-    """Refuse bad input before any training: one line naming the flag, exit status 2.
-    Returns (mode, Config, the model flags given to --suite)."""
-    bad = parser.error
-    given = {k for k, v in vars(args).items() if v is not None}
+    """Refuse bad input before training (exit 2, naming the flag); returns mode, cfg, suite_flags."""
+    bad, given = parser.error, {k for k, v in vars(args).items() if v is not None}
     mode = next((m for m in MODE_FLAGS if m in given), None)
     extra = given - MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes", "resume"}) - {
         mode, "seed", "device", "out"}
@@ -1745,8 +1687,7 @@ def check_args(args, parser):
     language = args.task in ("dyck", "shuffle")
     if language and "vocab" in given:
         bad("--vocab: a language's vocabulary is 2 x 2 brackets + END = 5")
-    cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__
-                    if getattr(args, k, None) is not None})
+    cfg = Config(**{k: getattr(args, k) for k in given if k in Config.__dataclass_fields__})
     cfg = make_task(cfg).cfg if language else cfg
     if not (cfg.mlp or cfg.mlp_norm):
         bad("--no-mlp-norm: there is no MLP norm to drop without --mlp")
@@ -1783,7 +1724,7 @@ def check_args(args, parser):
 def check_paths(args, mode, runs, device, bad):
     """--save names a new file, not a folder nor one the run writes; --out and --save are
     written once now (a probe file); a grid's runs file holds only runs it keeps."""
-    out = os.path.abspath(args.out or "runs")
+    out, pid = os.path.abspath(args.out or "runs"), os.getpid()
     if args.save is not None and (mode or not args.save or args.save.endswith(("/", os.sep)) or
                                   os.path.isdir(args.save) or os.path.abspath(args.save) in
                                   [out] + [os.path.join(out, f) for f in RUN_FILES]):
@@ -1798,13 +1739,11 @@ def check_paths(args, mode, runs, device, bad):
                  os.path.isdir(os.path.join(out, f))] if os.path.isdir(out) else []:
         bad(f"--out {args.out or 'runs'}: {clash[0]} there is a folder, where a run writes a file")
     if mode in GRIDS:
-        check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume,
-                        bad)
-    for flag, path in (("--save", args.save), ("--out", args.out or "runs")):
-        probe = path and (os.path.join(path, f".{os.getpid()}.probe") if flag == "--out" else
-                          f"{path}.{os.getpid()}.probe")   # a name no user file has
-        try:
-            if probe:
+        check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume, bad)
+    for flag, path, probe in (("--save", args.save, f"{args.save}.{pid}.probe"),
+                              ("--out", args.out or "runs", os.path.join(out, f".{pid}.probe"))):
+        try:   # written once now, under a name no user file has
+            if path:
                 os.makedirs(os.path.dirname(os.path.abspath(probe)), exist_ok=True)
                 open(probe, "wb").close()
                 os.remove(probe)
