@@ -569,11 +569,11 @@ def load_checkpoint(path, raw=False, device="cpu"):
 
 
 # ----------------------------------------------------------------------------- shared by the modes
-def new_figure(ncols=1, width=5.2, height=3.8):
-    """A figure with ncols axes side by side (a list, even of one), drawn off screen."""
+def new_figure(ncols=1, width=5.2, height=3.8, nrows=1):
+    """A figure of nrows x ncols axes (a list by rows, even of one), drawn off screen."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(width * ncols, height), layout="constrained")
-    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    return fig, list(fig.subplots(nrows, ncols, squeeze=False).ravel())
 
 
 def shade_training(ax, train_len, n, label="training lengths"):
@@ -1093,21 +1093,36 @@ def mlp_norm_table(root, out=None):
                 if c.norm == "pre" and rec["chosen_lr"][f"pre, {regime}"] == c.lr:
                     group.setdefault((c.n_layer, regime, normed), []).append((m, c.train_len))
     at = {k: [m["tvd"][2 * L - 1] for m, L in ms] for k, ms in group.items()}
+    fit = {k: mean([summarize(m, L)["tvd_train"] for m, L in ms]) for k, ms in group.items()}
     rows = []
     for k in sorted(group, key=lambda k: (k[0], k[1][0] == "e", k[2] == "no")):  # sampled first
-        ms, L, other = group[k], group[k][0][1], at[(*k[:2], "no" if k[2] == "yes" else "yes")]
+        ms, L, o = group[k], group[k][0][1], (*k[:2], "no" if k[2] == "yes" else "yes")
         gs = [mean([m["logit_gap"][s - 1] * s for m, _ in ms]) for s in (L, 2 * L)]
-        rows.append([*k, f"{mean([summarize(m, L)['tvd_train'] for m, _ in ms]):.4f} / "
-                     f"{mean(at[k]):.4f} ({min(at[k]):.3f} - {max(at[k]):.3f})",
-                     "outside" if max(at[k]) < min(other) or min(at[k]) > max(other) else "within",
+        rows.append([*k, f"{fit[k]:.4f} / {mean(at[k]):.4f} ({min(at[k]):.3f} - {max(at[k]):.3f})",
+                     ("outside" if max(at[k]) < min(at[o]) or min(at[k]) > max(at[o]) else "within")
+                     + ("; fits worse (P11)" if fit[k] > 2 * fit[o] else ""),
                      f"{gs[0]:.2f}", f"{gs[1]:.2f}", f"{gs[1] / gs[0]:.2f}"])
     text = "\n".join(["`pre` with and without its MLP norm: training-length TVD / TVD at 2 L "
                       "(seeds' min - max), EMA 0.999, chosen rates; seed noise at 2 L against "
-                      "the other arm; logit gap x s, mean of seeds; rho = its ratio, 2 L over L.",
+                      "the other arm (fits worse: training-length TVD over twice its); logit gap x s, mean of seeds; rho = its ratio, 2 L over L.",
                       ""] + md_table(["layers", "regime", "MLP norm", "`pre`", "seed noise",
                                       "gap x s at L", "gap x s at 2 L", "rho"], rows))
     print(text)
-    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text + "\n"})
+    layers = sorted({k[0] for k in group})
+    fig, axes = new_figure(2, 5, 3.6, len(layers))   # a row per depth: gap x s, then the TVD
+    for k, ms in sorted(group.items()):   # mean of seeds; dashed: without the MLP norm
+        s, d = range(1, len(ms[0][0]["tvd"]) + 1), 2 * layers.index(k[0])
+        for ax, key in zip(axes[d:d + 2], ("logit_gap", "tvd")):
+            ax.plot(s, [mean([m[key][j - 1] * (j if key == "logit_gap" else 1) for m, _ in ms])
+                        for j in s], "--" if k[2] == "no" else "-", color="C1" if k[1][0] == "s"
+                    else "C0", label=f"{k[1]}, MLP norm: {k[2]}")
+            ax.set(title=f"{k[0]} layer(s)", ylabel=("logit gap x s" if key == "logit_gap" else
+                                                    "TVD") + " (EMA, mean of seeds)")
+    for ax in axes:
+        shade_training(ax, ms[0][1], len(s))
+    axes[0].legend(fontsize=7), fig.suptitle("pre with an MLP, with and without its MLP norm")
+    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text + "\n",
+                                                          "mlp_norm.png": fig})
 
 
 # ----------------------------------------------------------------------------- alternatives
