@@ -2582,6 +2582,52 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
     assert_quoted([f"by {min(ratios):.2f} to {max(ratios):.2f} times the next"], "README.md")
 
 
+def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_path, monkeypatch):
+    # P11's ablation: pre with its MLP norm (plots/depthN) and without (plots/mlp_norm/layersN)
+    skip_rendering(monkeypatch)
+    R.mlp_norm_table(os.path.join(HERE, "plots"), str(tmp_path))
+    assert read(tmp_path / "mlp_norm.md") == read("plots/mlp_norm/mlp_norm.md")
+    arm, rows = {}, []
+    for d, normed, path in [(d, n, p) for d in (1, 2) for n, p in (
+            ("with", f"plots/depth{d}"), ("without", f"plots/mlp_norm/layers{d}"))]:
+        rec = load(path + "/compare.json")
+        for r in rec["runs"]:
+            key = "{norm}, {targets}, {lr_schedule}".format(**(c := r["config"]))
+            if c["norm"] == "pre" and c["lr"] == rec["chosen_lr"][key]:
+                arm.setdefault((d, key[5:], normed), []).append(r["ema"])
+    fit = {k: mean([mean(m["tvd"][:12]) for m in ms]) for k, ms in arm.items()}
+    at = {k: [m["tvd"][23] for m in ms] for k, ms in arm.items()}
+    gs = {k: [mean([m["logit_gap"][s - 1] * s for m in ms]) for s in (12, 24)] for k, ms in arm.items()}
+    rho = {k: g[1] / g[0] for k, g in gs.items()}
+    for d, r in itertools.product((1, 2), ("sampled, constant", "exact, cosine")):
+        w, wo = (d, r, "with"), (d, r, "without")
+        assert len(at[w]) == len(at[wo]) == 3 and max(at[w]) < min(at[wo])   # outside seed noise
+        rows += [f"| {d} | {r} | {'yes' if k[2] == 'with' else 'no'} | {fit[k]:.4f} / {mean(at[k]):.4f} "
+                 f"({min(at[k]):.3f} - {max(at[k]):.3f}) | outside" for k in (w, wo)]
+    worse = [k for k in fit if fit[k] > 2 * fit[(*k[:2], "with" if k[2] == "without" else "without")]]
+    one, two = (1, "sampled, constant"), (2, "exact, cosine")
+    assert worse == [(*two, "without")] and rho[(*one, "with")] > 1.25 and rho[(1, "exact, cosine", "with")] > 1.25
+    assert all(0.8 <= rho[(1, r, "without")] <= 1.25 for r in ("sampled, constant", "exact, cosine"))
+    assert_quoted(rows + [
+        f"(training TVD {fit[(*two, 'without')]:.4f} against {fit[(*two, 'with')]:.4f}, "
+        f"{fit[(*two, 'without')] / fit[(*two, 'with')]:.1f} times)",
+        f"{mean(at[(*one, 'without')]) / mean(at[(*one, 'with')]):.1f} times "
+        f"({mean(at[(*one, 'without')]):.4f})", f"(at one layer, sampled: {min(at[(*one, 'without')]):.3f} "
+        f"to {max(at[(*one, 'without')]):.3f} against {min(at[(*one, 'with')]):.3f} to "
+        f"{max(at[(*one, 'with')]):.3f})", f"exact targets {mean(at[(1, 'exact, cosine', 'without')]):.4f}",
+        f"({gs[(*one, 'without')][0]:.2f} at both L and 2 L", f"{gs[(*one, 'with')][0] / 12:.2f} at\nL to "
+        f"{gs[(*one, 'with')][1] / 24:.2f} at 2 L".replace("\n", " "), f"is\nsqrt(24 / 8) / sqrt(12 / 20) = "
+        f"{math.sqrt(24 / 8) / math.sqrt(12 / 20):.2f}".replace("\n", " "),
+        *(f"10 runs, {load(f'plots/mlp_norm/layers{d}/compare.json')['wall_seconds']:.0f} s" for d in (1, 2))])
+    assert f"{gs[(*one, 'without')][1]:.2f}" == f"{gs[(*one, 'without')][0]:.2f}"   # flat: 1/s
+    q = {k: f"{v:.2f}" for k, v in rho.items()}
+    assert_quoted([f"{q[1, 'sampled, constant', 'with']} and {q[1, 'exact, cosine', 'with']} with the norm, "
+                   f"{q[1, 'sampled, constant', 'without']} and {q[1, 'exact, cosine', 'without']} without",
+                   f"({q[2, 'sampled, constant', 'with']}, {q[2, 'exact, cosine', 'with']}); without it "
+                   f"{q[2, 'sampled, constant', 'without']} with sampled targets",
+                   f"and {q[2, 'exact, cosine', 'without']} with exact targets"])
+
+
 SPLITS = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate", "batch": "batch",
           "steps": "steps"}   # search_losses' settings, as the notebook names them
 
