@@ -2579,7 +2579,8 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
                    f"the 8", f"({best[1, 'sampled']['post']:.4f}) is below `pre`'s lowest "
                    f"({best[1, 'sampled']['pre']:.4f}, at its chosen 0.00316)"])
     assert max(A["pre"][:5]) < min(A["pre-final"][:5]) and max(s31["post"]) < min(s31["pre-final"])
-    assert_quoted([f"by {min(ratios):.2f} to {max(ratios):.2f} times the next"], "README.md")
+    assert_quoted([f"by {min(ratios):.2f} to {max(ratios):.2f} times the next", f"`pre` is lowest in "
+                   f"{lowest['pre']} of the 24 (depth, regime, rate) cases"], "README.md")
 
 
 def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_path, monkeypatch):
@@ -2620,6 +2621,7 @@ def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_pat
         f"{math.sqrt(24 / 8) / math.sqrt(12 / 20):.2f}".replace("\n", " "),
         *(f"10 runs, {load(f'plots/mlp_norm/layers{d}/compare.json')['wall_seconds']:.0f} s" for d in (1, 2))])
     assert f"{gs[(*one, 'without')][1]:.2f}" == f"{gs[(*one, 'without')][0]:.2f}"   # flat: 1/s
+    assert_quoted([f"rises from {mean(at[(*one, 'with')]):.3f} to {mean(at[(*one, 'without')]):.3f}"], "README.md")
     q = {k: f"{v:.2f}" for k, v in rho.items()}
     assert_quoted([f"{q[1, 'sampled, constant', 'with']} and {q[1, 'exact, cosine', 'with']} with the norm, "
                    f"{q[1, 'sampled, constant', 'without']} and {q[1, 'exact, cosine', 'without']} without",
