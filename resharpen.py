@@ -410,13 +410,10 @@ class BEMA(EMA):
     def beta(self, t):
         return (self.rho + self.gamma * t) ** -self.kappa
 
-    def alpha(self, t):
-        return (self.rho + self.gamma * t) ** -self.eta if self.correct else 0.0
-
     @torch.no_grad()
     def averaged(self):
-        return [s + self.alpha(self.t) * (p - p0)
-                for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
+        alpha = (self.rho + self.gamma * self.t) ** -self.eta if self.correct else 0.0
+        return [s + alpha * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
 
 
 # ----------------------------------------------------------------------------- languages
@@ -784,8 +781,7 @@ def resumable():   # whether an interrupted grid left finished runs for --resume
 
 
 def finished_runs():
-    """{config: (result, seconds)} of the runs in RUNS_FILE (check_runs_file has read each
-    line). A line that a kill cut short is dropped, and the file written again without it."""
+    """{config: (result, seconds)} of the runs in RUNS_FILE (check_runs_file has read each line)."""
     if not resumable():
         return {}
     runs = {}
@@ -1121,8 +1117,7 @@ def mlp_norm_table(root, out=None):
     for ax in axes:
         shade_training(ax, ms[0][1], len(s))
     axes[0].legend(fontsize=7), fig.suptitle("pre with an MLP, with and without its MLP norm")
-    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text + "\n",
-                                                          "mlp_norm.png": fig})
+    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text, "mlp_norm.png": fig})
 
 
 # ----------------------------------------------------------------------------- alternatives
@@ -1153,8 +1148,7 @@ def alternatives_table(named, train_len, v):
 
 
 def plot_alternatives(named, cfg):
-    """alternatives.png: TVD and gap x s against length per remedy (EMA weights). Every other
-    remedy is dashed, so that equal curves stay visible; plain Pre-Norm is wide, underneath."""
+    """alternatives.png: every other remedy is dashed, so that equal curves stay visible."""
     colors = [f"tab:{c}" for c in ("red", "brown", "pink", "olive", "gray", "blue", "cyan")]
     styles = [dict(lw=4.5, zorder=1) if name == "pre" else
               dict(lw=3 if name.startswith("post") else 1.5, ls=("-", "--")[i % 2],
@@ -1206,8 +1200,7 @@ def search_configs(n, seed, lrs=None, mlp=False):
                       batch_size=round(2 ** g.uniform(6, 8)), steps=g.randint(1000, 4000))
         if lrs:
             base = replace(base, batch_size=g.randint(192, 256), steps=g.randint(4000, 8000))
-        if mlp:
-            base = replace(base, mlp=True, n_layer=layers.randint(1, 3))
+        base = replace(base, mlp=True, n_layer=layers.randint(1, 3)) if mlp else base
         arms, rates = (("pre-final", "post"), lrs) if lrs else (SEARCH_ARMS, [base.lr])
         configs.append([replace(base, norm=arm, lr=lr) for arm in arms for lr in rates] +
                        [replace(base, mlp_norm=False)] * mlp)
@@ -1273,8 +1266,7 @@ def search_pairs(configs, results, rival, avg):
 
 
 def search_stats(pairs, ref="post"):
-    """Win rate of ref (log ratio > 0) with its interval, sign test (ties dropped, as in the
-    Wilcoxon test) and Wilcoxon test, median ratio with its bootstrap interval."""
+    """ref's win rate (log ratio > 0), sign and Wilcoxon tests (both drop ties), median ratio."""
     logs = [x for x, _ in pairs]
     n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
     if n == 0:
@@ -1527,8 +1519,7 @@ def starter_source():
                      "exercises need.\n# theory.md and the READMEs cited below are kept back "
                      "(theory.md until after Exercise 10)."], None
     for line in Path(__file__).read_text("utf-8").split("\n"):
-        begin = re.match(r"\s*# Exercise (\d): ", line)
-        if begin and not exercise:
+        if (begin := re.match(r"\s*# Exercise (\d): ", line)) and not exercise:
             exercise, raised = begin.group(1), False
         elif exercise and line.strip() == f"# end of Exercise {exercise}":
             exercise = None
@@ -1560,8 +1551,7 @@ REFERENCE = None   # the file graded is starter.py, or RESHARPEN's
 
 
 def handout(out):
-    """OUT/exercises.md: the README's Exercises section without links and the '*For the teacher'
-    paragraphs; OUT/starter.py, what the students complete; OUT/grade.py, the tests' graders."""
+    """OUT/exercises.md (the README's Exercises), starter.py (to complete), grade.py (graders)."""
     here = os.path.dirname(os.path.abspath(__file__))
     section = Path(here, "README.md").read_text("utf-8").split("\n## Exercises\n", 1)[1].split(
         "\n## ", 1)[0]   # to the next section
@@ -1681,18 +1671,16 @@ def planned_runs(mode, cfg, args, suite_flags):
     return {"compare": lambda: compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or
                                             REGIMES, args.lrs or (None,)),
             "suite": lambda: suite_grid(cfg, **suite_flags),
-            "alternatives": lambda: alternatives_grid(cfg),
             "search": lambda: sum(search_configs(args.search, cfg.seed, args.lrs, cfg.mlp), []),
-            None: lambda: [cfg]}.get(mode, list)()
+            "alternatives": lambda: alternatives_grid(cfg), None: lambda: [cfg]}.get(mode, list)()
 
 
 def check_args(args, parser):
     """Refuse bad input before training (exit 2, naming the flag); returns mode, cfg, suite_flags."""
     bad, given = parser.error, {k for k, v in vars(args).items() if v is not None}
     mode = next((m for m in MODE_FLAGS if m in given), None)
-    extra = given - MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes", "resume"}) - {
-        mode, "seed", "device", "out"}
-    if extra:
+    takes = MODE_FLAGS.get(mode, set(vars(args)) - {"lrs", "norms", "regimes", "resume"})
+    if extra := given - takes - {mode, "seed", "device", "out"}:
         names = ("--no-mlp-norm" if x == "mlp_norm" else "--" + x.replace("_", "-") for x in extra)
         bad(f"{', '.join(sorted(names))}: not used by "
             f"{'--' + mode if mode else 'a single run'} (python resharpen.py --help)")
@@ -1727,8 +1715,7 @@ def check_args(args, parser):
             device == "mps" and not torch.backends.mps.is_available()):
         bad(f"--device {device}: there is no such device here; use auto or cpu")
     workers = grid_workers(runs, device) if mode else 1
-    need = workers * max(map(peak_memory, runs), default=0)
-    if need > MEMORY_LIMIT:
+    if (need := workers * max(map(peak_memory, runs), default=0)) > MEMORY_LIMIT:
         bad(f"--batch-size {cfg.batch_size}: about {need / 2**30:.0f} GiB at the peak ({workers} "
             f"run(s) at once; limit {MEMORY_LIMIT // 2**30} GiB): use a smaller --batch-size, "
             "--n-embd, --n-layer, --n-head, --train-len or --vocab")
