@@ -1768,8 +1768,9 @@ def check_runs_file(path, runs, device, mode, resume, bad):
     if resume and not lines:   # a finished grid removes its runs file
         print(f"--resume: no finished run in {path}, so every run trains now")
     for i, line in enumerate(lines, 1):
+        ok, why = False, ""   # a line that is not JSON at all is not a run either
         try:
-            r, ok, why = json.loads(line), False, ""
+            r = json.loads(line)
             c = Config(**r["config"])   # what differs from the nearest run of this command:
             why = min(([f"{k} {getattr(c, k)!r}" for k in asdict(c) if getattr(c, k) != getattr(
                 p, k)] for p in planned), key=len) + [f"run on {r['device']}"] * (r["device"] != device)

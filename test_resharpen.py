@@ -2096,8 +2096,10 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
     for lines, flags, said in [([run], [], "holds 1 finished run(s)"),
                                ([run], ["--resume", "--steps", "3"], "(its steps 2)"),
                                ([run], ["--resume", "--device", "auto"], "(its device 'cpu')")] + [
-            ([run, x], ["--resume"], "line 2: not a run") for x in alien]:
-        text = "".join(json.dumps(x) + "\n" for x in lines)
+            ([run, x], ["--resume"], "line 2: not a run") for x in alien] + [
+            (["{cut", run], ["--resume"], "line 1: not a run"), ([run, "{cut", run], ["--resume"],
+                                                                 "line 2: not a run")]:
+        text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
         path.write_text(text, encoding="utf-8")
         expect_exit_2(argv + SMALL + flags, said, capsys)
         assert path.read_text(encoding="utf-8") == text and os.listdir(tmp_path) == [path.name]
