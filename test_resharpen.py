@@ -2220,7 +2220,7 @@ def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monk
 
 
 @pytest.mark.parametrize("table", ["compare.md", "long/compare.md", "alternatives.md", "search.md",
-                                   "suite.md", "tuned/compare.md", "search_tuned/search.md"] + [
+                                   "suite.md", "tuned/compare.md", "search_tuned/search.md", "search_mlp/search.md"] + [
     os.path.relpath(p, os.path.join(HERE, "plots")) for d in ("depth*", "mlp_norm") for p in sorted(
         glob.glob(os.path.join(HERE, "plots", d, "**", "compare.md"), recursive=True))])
 def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
@@ -2658,6 +2658,28 @@ def test_notebook_search_numbers_match_plots_search_json():
             f"than `pre` in {A['post_wins']} of {A['n']} configurations (median ratio "
             f"{A['median_ratio']:.2f})",
             splits.replace("$v$ 7 | 10", "$v$ 7 | 10 of 20", 1)])   # all six
+
+
+def test_notebook_and_readme_numbers_match_the_search_with_mlps():
+    # P11 items 4-5: plots/search_mlp, 30 configurations x 4 arms, drawn as search_configs draws
+    record = load("plots/search_mlp/search.json")
+    configs = [R.Config(**r["config"]) for r in record["runs"]]
+    assert configs == [c for g in R.search_configs(30, 0, None, True) for c in g]
+    h, groups = record["summary"], [configs[4 * i:4 * i + 4] for i in range(30)]
+    results = {c: r for c, r in zip(configs, record["runs"])}
+    P, S, N = (h[a]["ema"]["all"] for a in ("pre-final", "post", R.NO_LN2))
+    low = Counter(min(g, key=lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]) for g in groups)
+    low = Counter(R.arm(c) for c in low.elements())
+    f = lambda st: f"won {st['pre_wins']} of {st['n']}"  # noqa: E731
+    assert_quoted([f"{f(P)} (95 % interval {P['win_rate_95'][0]:.2f} - {P['win_rate_95'][1]:.2f}; sign test "
+                   f"p = {P['sign_p']:.2g}, Wilcoxon p = {P['wilcoxon_p']:.2g}; median ratio {P['median_ratio']:.2f}, "
+                   f"interval {P['median_ratio_95'][0]:.2f} - {P['median_ratio_95'][1]:.2f})",
+                   f"{f(S)} (p = {S['sign_p']:.2g}; median ratio {S['median_ratio']:.2f}",
+                   f"{f(N)} (p = {N['sign_p']:.2g}; median ratio {N['median_ratio']:.2f}",
+                   f"`pre` in {low['pre']}, `pre-final` in {low['pre-final']}, `post` in {low['post']}, "
+                   f"`pre, no MLP norm` in {low[R.NO_LN2]} of 30", f"{record['wall_seconds']:.0f} s of wall time"])
+    assert_quoted([f"beats `pre-final` in {P['pre_wins']} of 30 (median ratio {P['median_ratio']:.2f}) and `post` in "
+                   f"{S['pre_wins']}", f"in {N['pre_wins']} of 30 (median ratio {N['median_ratio']:.2f})"], "README.md")
 
 
 def test_notebook_tuned_search_numbers_match_plots_search_tuned():
