@@ -1100,7 +1100,8 @@ def mlp_norm_table(root, out=None):
                      f"{gs[0]:.2f}", f"{gs[1]:.2f}", f"{gs[1] / gs[0]:.2f}"])
     text = "\n".join(["`pre` with and without its MLP norm: training-length TVD / TVD at 2 L "
                       "(seeds' min - max), EMA 0.999, chosen rates; seed noise at 2 L against "
-                      "the other arm (fits worse: training-length TVD over twice its); logit gap x s, mean of seeds; rho = its ratio, 2 L over L.",
+                      "the other arm (fits worse: training-length TVD over twice its); logit gap "
+                      "x s, mean of seeds; rho = its ratio, 2 L over L.",
                       ""] + md_table(["layers", "regime", "MLP norm", "`pre`", "seed noise",
                                       "gap x s at L", "gap x s at 2 L", "rho"], rows))
     print(text)
