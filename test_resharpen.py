@@ -23,6 +23,9 @@ import torch.nn.functional as F
 
 import resharpen as R
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "plots"))
+import lab as B  # noqa: E402  (plots/lab.py, the lab)
+
 torch.set_num_threads(1)   # models of a few hundred weights: threads only wait for each other
 
 REFERENCE = R   # the graders' default module (grade.py, written by --handout, has none)
@@ -33,7 +36,7 @@ def quick_evaluation(monkeypatch):
     """Commands and grids evaluate on 20 fixed inputs instead of 1000 (tests of their numbers
     call evaluate() with their own n_perm), and no grid reads another test's runs.jsonl."""
     monkeypatch.setattr(R, "EVAL_PERMS", 20)
-    monkeypatch.setattr(R, "RUNS_FILE", None)
+    monkeypatch.setattr(B, "RUNS_FILE", None)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -398,9 +401,9 @@ LANGUAGES = [dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brack
 SMALL = ["--steps", "2", "--batch-size", "4", "--n-embd", "8", "--device", "cpu"]
 
 
-def expect_exit_2(argv, flag, capsys):
+def expect_exit_2(argv, flag, capsys):   # a lab mode goes to plots/lab.py, the rest to resharpen.py
     with pytest.raises(SystemExit) as e:
-        R.main(argv)
+        (B.main if {f"--{m}" for m in B.MODE_FLAGS} & set(argv) else R.main)(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
@@ -565,7 +568,7 @@ def test_same_seed_gives_same_numbers_and_ema_off_is_exactly_the_raw_weights_of_
     # The average never feeds back into training, so 'EMA off' needs no separate run.
     cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=20, batch_size=8, device="cpu")
     plain, _, losses = R.train(cfg, log=lambda *a: None)
-    with_ema, (ema,), ema_losses = R.train(R.replace(cfg, ema=0.9), log=lambda *a: None)
+    with_ema, (ema,), ema_losses = R.train(B.replace(cfg, ema=0.9), log=lambda *a: None)
     assert losses == ema_losses
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), with_ema.parameters()))
 
@@ -688,7 +691,7 @@ def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
     assert R.learning_rate(cfg, 1) == pytest.approx(0.01)
     assert R.learning_rate(cfg, 51) == pytest.approx(0.005)
     assert R.learning_rate(cfg, 101) == pytest.approx(0.0, abs=1e-12)
-    assert R.learning_rate(R.replace(cfg, lr_schedule="constant"), 101) == 0.01
+    assert R.learning_rate(B.replace(cfg, lr_schedule="constant"), 101) == 0.01
 
 # ---- Part 1: evaluation (theory.md, section 2.4) --------------------------------------------
 
@@ -758,7 +761,7 @@ def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma
             assert got["tvd"][s - 1] == pytest.approx(pi, rel=1e-9, abs=1e-15)
             assert got["invalid_mass"][s - 1] == pytest.approx(pi, rel=1e-9, abs=1e-15)
             assert got["kl"][s - 1] == pytest.approx(-math.log1p(-pi), rel=1e-9, abs=1e-15)
-            assert R.predicted_tvd(v, s, R.predicted_margin(v, norm, s, gamma)) == pytest.approx(
+            assert B.predicted_tvd(v, s, B.predicted_margin(v, norm, s, gamma)) == pytest.approx(
                 pi, rel=1e-9, abs=1e-15)
 
 
@@ -775,7 +778,7 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
         ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)     # (B, T)
         row = []
         for s in range(1, v):
-            m = R.predicted_margin(v, "pre", s, gamma)
+            m = B.predicted_margin(v, "pre", s, gamma)
             want = math.log(v - s + s * math.exp(-m))
             assert ce[:, s - 1].tolist() == pytest.approx([want] * len(idx), rel=1e-10)
             row.append(want)
@@ -984,7 +987,7 @@ def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_no
 
 def test_pre_norm_margin_decays_like_two_over_s():
     # theory.md, section 3: margin(s) = (2 / s) margin(2) under uniform attention.
-    m2 = R.predicted_margin(20, "pre", 2)
+    m2 = B.predicted_margin(20, "pre", 2)
     model = R.evaluate(R.hand_built(20, "pre"), n_perm=10)
     for s, gap in zip(model["length"], model["logit_gap"]):
         assert gap == pytest.approx(2 / s * m2, rel=1e-5)
@@ -1142,10 +1145,10 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
         # Balanced: every seen logit equal, every unseen logit equal (theory.md, section 3).
         assert (lo - lo[:, :1]).abs().max() < 1e-9 and (hi - hi[:, :1]).abs().max() < 1e-9
         margin = (hi[:, 0] - lo[:, 0]).mean().item()
-        assert margin == pytest.approx(R.predicted_margin(vocab, norm, s, gamma), abs=1e-9)
+        assert margin == pytest.approx(B.predicted_margin(vocab, norm, s, gamma), abs=1e-9)
     m = R.evaluate(model, n_perm=20)
     for s, tvd, inv, gap in zip(m["length"], m["tvd"], m["invalid_mass"], m["logit_gap"]):
-        want = R.predicted_tvd(vocab, s, R.predicted_margin(vocab, norm, s, gamma))
+        want = B.predicted_tvd(vocab, s, B.predicted_margin(vocab, norm, s, gamma))
         assert tvd == pytest.approx(want, rel=1e-6, abs=1e-14)
         assert inv == pytest.approx(tvd, rel=1e-6, abs=1e-14)   # TVD = invalid mass
 
@@ -1153,7 +1156,7 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
 def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
     v, gamma = 8, 1.3
     pre, final = (R.hand_built(v, norm, gamma) for norm in ("pre", "pre-final"))
-    model = R.Transformer(R.replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
+    model = R.Transformer(B.replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
     model.load_state_dict(pre.state_dict(), strict=False)   # ln_2 and the MLP are new
     block, eye = model.blocks[0], torch.eye(2 * v, dtype=DT)
     block.mlp[1] = torch.nn.Identity()   # a linear MLP whose two matrices multiply to I
@@ -1162,8 +1165,8 @@ def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
     idx = R.SetComplement(pre.cfg).sample(5, v - 1, torch.Generator().manual_seed(1))
     assert torch.allclose(model(idx), pre(idx) + final(idx), atol=1e-12)
     m = R.evaluate(model, n_perm=20)
-    assert m["logit_gap"] == pytest.approx([R.predicted_margin(v, "pre", s, gamma) +
-                                            R.predicted_margin(v, "pre-final", s, gamma)
+    assert m["logit_gap"] == pytest.approx([B.predicted_margin(v, "pre", s, gamma) +
+                                            B.predicted_margin(v, "pre-final", s, gamma)
                                             for s in m["length"]], rel=1e-9)
 
 
@@ -1181,7 +1184,7 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
         want = gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s))
         assert m[s - 1] == pytest.approx(want, rel=1e-10)
         assert gap[s - 1] == pytest.approx(want, rel=1e-10)
-        assert R.predicted_margin(v, "post", s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
+        assert B.predicted_margin(v, "post", s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
         assert (m[s - 1] == pytest.approx(floor, rel=1e-10) if 2 * s == v
                 else m[s - 1] > floor * (1 + 1e-6))
 
@@ -1379,7 +1382,7 @@ def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
     for s, m in enumerate(margins_with_eps_0(v, norm, gamma), start=1):
         want = gamma * math.sqrt(n) / math.sqrt(A * s * (1 - s / v) + c * s * s)
         assert m == pytest.approx(want, rel=1e-10)
-        assert R.predicted_margin(v, norm, s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
+        assert B.predicted_margin(v, norm, s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
 
 
 def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_over_m2_not_2():
@@ -1397,8 +1400,8 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
             assert gain == pytest.approx(want, rel=1e-10)
         assert all(a < b for a, b in zip(gains, gains[1:]))
         assert gains[-1] < math.sqrt(1 + (1 - s0 / v) / (s0 * A))
-    gain = lambda vv, s0: (R.predicted_margin(vv, "post-residual", vv - 1, eps=0.0)
-                           / R.predicted_margin(vv, "post-residual", s0, eps=0.0) * (vv - 1) / s0)
+    gain = lambda vv, s0: (B.predicted_margin(vv, "post-residual", vv - 1, eps=0.0)
+                           / B.predicted_margin(vv, "post-residual", s0, eps=0.0) * (vv - 1) / s0)
     assert (gain(32, 2), gain(32, 1)) == pytest.approx((1.214, 1.408), abs=1e-3)
     assert gain(32, 2) < gain(10**6, 2) < math.sqrt(1.5) and gain(10**6, 2) > math.sqrt(1.5) - 1e-5
     assert gain(10**6, 1) == pytest.approx(math.sqrt(2), abs=1e-5)
@@ -1426,11 +1429,11 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     got = {}
     for norm in R.NORMS:
         gamma = 6.0 / margin_c(v, norm, train_len, 1.0, eps)
-        assert R.predicted_margin(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
+        assert B.predicted_margin(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
         m = margins_at_every_length(R.hand_built(v, norm, gamma), v, n_perm=2)
         for s, ms in enumerate(m, start=1):
             assert ms == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-9)
-            assert ms == pytest.approx(R.predicted_margin(v, norm, s, gamma), rel=1e-9)
+            assert ms == pytest.approx(B.predicted_margin(v, norm, s, gamma), rel=1e-9)
         # eps is visible at this tolerance: the eps = 0 formula is off by more than 1e-6
         assert abs(margin_c(v, norm, v - 1, gamma, 0.0) / m[-1] - 1) > 1e-6
         tvd = [s / (s + (v - s) * math.exp(ms)) for s, ms in enumerate(m, start=1)]
@@ -1458,10 +1461,10 @@ def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
 
 
 def test_theory_tvd_never_overflows():
-    assert 0 <= R.predicted_tvd(1024, 900, 5000.0) < 1e-300   # e^-5000: 0 in float64
-    assert 0 <= R.predicted_tvd(128, 119, 1e6) < 1e-300
-    assert R.predicted_tvd(32, 5, 3.0) == pytest.approx(5 / (5 + 27 * math.exp(3.0)))
-    assert R.predicted_tvd(32, 5, -1e6) == 1.0
+    assert 0 <= B.predicted_tvd(1024, 900, 5000.0) < 1e-300   # e^-5000: 0 in float64
+    assert 0 <= B.predicted_tvd(128, 119, 1e6) < 1e-300
+    assert B.predicted_tvd(32, 5, 3.0) == pytest.approx(5 / (5 + 27 * math.exp(3.0)))
+    assert B.predicted_tvd(32, 5, -1e6) == 1.0
 
 # ---- Part 2: BEMA ---------------------------------------------------------------------------
 
@@ -1470,7 +1473,7 @@ def test_bema_equals_its_closed_form():
     # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
     # bema_t = a_t (theta_t - theta_0) + ema_t
     model = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
-    theta0, bema = model.weight.detach().clone(), R.BEMA(model)
+    theta0, bema = model.weight.detach().clone(), B.BEMA(model)
     thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
     ema = theta0
     for t, th in enumerate(thetas, start=1):
@@ -1483,7 +1486,7 @@ def test_bema_equals_its_closed_form():
 
 def test_bema_without_correction_is_the_ema_with_the_same_schedule():
     model = torch.nn.Linear(3, 3).requires_grad_(False)
-    bema, plain = R.BEMA(model, correct=False), R.EMA(model, decay=0.5)
+    bema, plain = B.BEMA(model, correct=False), R.EMA(model, decay=0.5)
     plain.beta = bema.beta          # same schedule, plain update rule
     for k in range(6):
         for p in model.parameters():
@@ -1498,17 +1501,17 @@ def test_bema_without_correction_is_the_ema_with_the_same_schedule():
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
 def test_language_samplers_emit_only_legal_streams(lang):
-    cfg = R.make_task(R.Config(**lang)).cfg
-    seqs = R.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0))
+    cfg = B.make_task(R.Config(**lang)).cfg
+    seqs = B.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0))
     for seq in seqs.tolist():
         assert legal_prefix(seq, cfg.task, cfg.brackets, cfg.max_depth)
 
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
 def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
-    cfg = R.make_task(R.Config(**lang)).cfg
-    seqs = R.Language(cfg).sample(40, 25, torch.Generator().manual_seed(1))
-    p = R.Language(cfg).target(seqs, torch.double)
+    cfg = B.make_task(R.Config(**lang)).cfg
+    seqs = B.Language(cfg).sample(40, 25, torch.Generator().manual_seed(1))
+    p = B.Language(cfg).target(seqs, torch.double)
     assert torch.allclose(p.sum(-1), torch.ones(40, 25, dtype=torch.double))
     for b, seq in enumerate(seqs.tolist()):
         for t in range(25):
@@ -1522,7 +1525,7 @@ def test_language_targets_equal_brute_force_over_all_short_streams(lang):
     # Enumerate every token sequence of length n; keep the legal ones, weighted by the
     # automaton (Dyck) or counted (Shuffle: uniform over legal next tokens, so a stream's
     # weight is the product of 1 / (number of legal next tokens)).
-    cfg = R.make_task(R.Config(**lang)).cfg
+    cfg = B.make_task(R.Config(**lang)).cfg
     k, D, v, n = cfg.brackets, cfg.max_depth, cfg.vocab, 6
 
     def weight(seq):
@@ -1542,7 +1545,7 @@ def test_language_targets_equal_brute_force_over_all_short_streams(lang):
         for t in range(1, n + 1):
             prefix_mass[s[:t]] = prefix_mass.get(s[:t], 0.0) + w
     idx = torch.tensor(list(streams))
-    p = R.Language(cfg).target(idx[:, : n - 1], torch.double)
+    p = B.Language(cfg).target(idx[:, : n - 1], torch.double)
     for b, s in enumerate(streams):
         for t in range(1, n):
             brute = [prefix_mass.get(s[:t] + (a,), 0.0) / prefix_mass[s[:t]] for a in range(v)]
@@ -1697,7 +1700,7 @@ def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
     m = margins_at_every_length(scaled.eval(), v)
     for s, ms in enumerate(m, start=1):
         assert ms == pytest.approx(m[0] / s, rel=1e-10)
-        assert ms == pytest.approx(R.predicted_margin(v, "pre", s), rel=1e-10)
+        assert ms == pytest.approx(B.predicted_margin(v, "pre", s), rel=1e-10)
 
 
 def test_log_length_scaling_breaks_proportions_and_lemma_a():
@@ -1855,55 +1858,55 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
 
 def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     skip_rendering(monkeypatch)
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)   # in this process
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)   # in this process
     base = R.Config(vocab=6, train_len=3, n_embd=8, steps=3, batch_size=4, device="cpu")
-    R.alternatives(base, str(tmp_path), "cmd")
+    B.alternatives(base, str(tmp_path), "cmd")
     assert all(f"| {name} | EMA 0.999 |" in read(tmp_path / "alternatives.md")
-               for name in R.ALTERNATIVES)
-    drawn = R.search_configs(40, 0)
+               for name in B.ALTERNATIVES)
+    drawn = B.search_configs(40, 0)
     for pre, pre_final, post in drawn:   # the pre-registered ranges; arms differ only in norm
         v = pre.vocab
         assert 16 <= v <= 64 and math.ceil(v / 4) <= pre.train_len <= (v - 1) // 2
         assert pre.n_embd >= 2 * v - 2 and pre.n_embd % pre.n_head == 0
         assert 3e-4 <= pre.lr <= 1e-2 and 64 <= pre.batch_size <= 256 and pre.dropout == 0
         assert 1000 <= pre.steps <= 4000 and pre.ema == 0 and pre.targets == "sampled"
-        assert (pre.norm, pre_final, post) == ("pre", R.replace(pre, norm="pre-final"),
-                                               R.replace(pre, norm="post"))
-    tuned = R.search_configs(24, 1000, [1e-3, 1e-2])   # pre-final and post, each at both rates
+        assert (pre.norm, pre_final, post) == ("pre", B.replace(pre, norm="pre-final"),
+                                               B.replace(pre, norm="post"))
+    tuned = B.search_configs(24, 1000, [1e-3, 1e-2])   # pre-final and post, each at both rates
     for runs in tuned:
         c = runs[0]
         assert [(r.norm, r.lr) for r in runs] == [("pre-final", 1e-3), ("pre-final", 1e-2),
                                                   ("post", 1e-3), ("post", 1e-2)]
         assert 192 <= c.batch_size <= 256 and 4000 <= c.steps <= 8000
-        assert all(R.replace(r, norm=c.norm, lr=c.lr) == c for r in runs)
-    deep = R.search_configs(40, 0, mlp=True)   # section 3's draws, with MLPs, 1-3 blocks, NO_LN2
+        assert all(B.replace(r, norm=c.norm, lr=c.lr) == c for r in runs)
+    deep = B.search_configs(40, 0, mlp=True)   # section 3's draws, with MLPs, 1-3 blocks, NO_LN2
     for plain, runs in zip(drawn, deep):
-        assert runs == [R.replace(c, mlp=True, n_layer=runs[0].n_layer) for c in plain] + [
-            R.replace(runs[0], mlp=True, mlp_norm=False)] and 1 <= runs[0].n_layer <= 3
+        assert runs == [B.replace(c, mlp=True, n_layer=runs[0].n_layer) for c in plain] + [
+            B.replace(runs[0], mlp=True, mlp_norm=False)] and 1 <= runs[0].n_layer <= 3
     assert {runs[0].n_layer for runs in deep} == {1, 2, 3}
     small = lambda n, seed, lrs=None, mlp=False: [  # noqa: E731
-        [R.replace(c, vocab=8, train_len=3, n_embd=12, steps=3, batch_size=4) for c in g]
+        [B.replace(c, vocab=8, train_len=3, n_embd=12, steps=3, batch_size=4) for c in g]
         for g in (tuned if lrs else deep if mlp else drawn)[:n]]
-    monkeypatch.setattr(R, "search_configs", small)
-    R.search(base, str(tmp_path), 3, "cmd")
+    monkeypatch.setattr(B, "search_configs", small)
+    B.search(base, str(tmp_path), 3, "cmd")
     assert load(tmp_path / "search.json")["summary"]["pre-final"]["ema"]["all"]["n"] == 3
-    R.search(R.replace(base, mlp=True), str(tmp_path / "m"), 3, "cmd")
+    B.search(B.replace(base, mlp=True), str(tmp_path / "m"), 3, "cmd")
     summary = load(tmp_path / "m" / "search.json")["summary"]
-    assert list(summary) == ["pre-final", "post", R.NO_LN2] and "pre_wins" in summary["post"][
+    assert list(summary) == ["pre-final", "post", B.NO_LN2] and "pre_wins" in summary["post"][
         "ema"]["all"] and "`pre, no MLP norm` in" in read(tmp_path / "m" / "search.md")
-    R.search(base, str(tmp_path / "t"), 2, "cmd", lrs=[1e-3, 1e-2])
+    B.search(base, str(tmp_path / "t"), 2, "cmd", lrs=[1e-3, 1e-2])
     record = load(tmp_path / "t" / "search.json")
     assert len(record["runs"]) == 8 and set(record["summary"]) == {"pre-final"}
     assert capsys.readouterr().out.isascii()
-    monkeypatch.setattr(R, "SUITE_SEEDS", 2)
-    monkeypatch.setattr(R, "COMPARE_SEEDS", 2)
-    monkeypatch.setattr(R, "REGIMES", (("sampled", "constant"),))   # all 4: committed-table test
+    monkeypatch.setattr(B, "SUITE_SEEDS", 2)
+    monkeypatch.setattr(B, "COMPARE_SEEDS", 2)
+    monkeypatch.setattr(B, "REGIMES", (("sampled", "constant"),))   # all 4: committed-table test
     base = R.Config(vocab=6, train_len=2, n_embd=8, steps=2, batch_size=2, device="cpu")
-    R.compare(base, str(tmp_path), "cmd")
+    B.compare(base, str(tmp_path), "cmd")
     assert {"compare.md", "compare.json", "compare_norms.png", "compare_regimes.png"} <= set(
         os.listdir(tmp_path))
     # Tuned rates (every rate on the first seed, the best one on the others), two layers:
-    R.compare(R.replace(base, n_layer=2, mlp=True), str(tmp_path / "t"), "cmd",
+    B.compare(B.replace(base, n_layer=2, mlp=True), str(tmp_path / "t"), "cmd",
               norms=("pre", "post"), regimes=(("exact", "cosine"),), lrs=[1e-3, 1e-2])
     record = load(tmp_path / "t" / "compare.json")
     runs = [(r["config"]["norm"], r["config"]["lr"], r["config"]["seed"]) for r in record["runs"]]
@@ -1921,9 +1924,9 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
     # Without the MLP norm (P11's ablation), beside the grid above as its depth2:
     os.renames(tmp_path / "t" / "compare.json", tmp_path / "a" / "depth2" / "compare.json")
-    R.compare(R.replace(base, n_layer=2, mlp=True, mlp_norm=False), str(
+    B.compare(B.replace(base, n_layer=2, mlp=True, mlp_norm=False), str(
         tmp_path / "a" / "mlp_norm" / "layers2"), "cmd", ("pre",), (("exact", "cosine"),), [1e-3, 1e-2])
-    R.mlp_norm_table(str(tmp_path / "a"))
+    B.mlp_norm_table(str(tmp_path / "a"))
     record = load(tmp_path / "a/mlp_norm/layers2/compare.json")
     bare = [r["ema"] for r in record["runs"] if r["config"]["lr"] == record["chosen_lr"][
         "pre, exact, cosine"]]
@@ -1931,7 +1934,7 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert read(tmp_path / "a/mlp_norm/mlp_norm.md").splitlines()[-1].startswith(
         "| 2 | exact, cosine | no |") and read(tmp_path / "a/mlp_norm/mlp_norm.md").endswith(
         f" | {rho:.2f} |\n")
-    R.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
+    B.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
     text = read(tmp_path / "suite.md")
     assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
     assert text.isascii() and capsys.readouterr().out.isascii()
@@ -1939,13 +1942,13 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
 
 def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
     # Wilson 95 % interval of 8 of 10, from the formula by hand: 0.4902 .. 0.9433.
-    assert R.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
+    assert B.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
     # Exact tests against counting all 2^n sign patterns.
     for n in range(1, 9):
         for k in range(n + 1):
             extreme = sum(1 for signs in itertools.product((0, 1), repeat=n)
                           if abs(sum(signs) - n / 2) >= abs(k - n / 2))
-            assert R.sign_test(k, n) == pytest.approx(extreme / 2**n)
+            assert B.sign_test(k, n) == pytest.approx(extreme / 2**n)
     diffs = [0.5, -1.25, 2.0, 3.5, -0.25, 1.0, 4.0, -3.0]
     ranks = [r for r, _ in enumerate(sorted(diffs, key=abs), start=1)]
     signed = sorted(diffs, key=abs)
@@ -1953,16 +1956,16 @@ def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known
     mid = sum(ranks) / 2
     extreme = sum(1 for signs in itertools.product((0, 1), repeat=len(diffs))
                   if abs(sum(r * s for r, s in zip(ranks, signs)) - mid) >= abs(w - mid))
-    assert R.wilcoxon(diffs) == pytest.approx(extreme / 2**len(diffs))
-    assert R.wilcoxon([1.0, 1.0, -1.0]) == pytest.approx(1.0)   # ties: ranks 2, 2, 2
-    med, lo, hi = R.bootstrap_median((1.0, 2.0, 3.0, 4.0, 100.0), reps=2000)
+    assert B.wilcoxon(diffs) == pytest.approx(extreme / 2**len(diffs))
+    assert B.wilcoxon([1.0, 1.0, -1.0]) == pytest.approx(1.0)   # ties: ranks 2, 2, 2
+    med, lo, hi = B.bootstrap_median((1.0, 2.0, 3.0, 4.0, 100.0), reps=2000)
     assert med == 3.0 and 1.0 <= lo <= med <= hi <= 100.0
     # Zeros (ties of the pair) are dropped by both tests: 6 zeros and 4 wins is 4 of 4.
-    st = R.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
-    assert st["sign_p"] == pytest.approx(R.sign_test(4, 4)) == pytest.approx(0.125)
+    st = B.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
+    assert st["sign_p"] == pytest.approx(B.sign_test(4, 4)) == pytest.approx(0.125)
     assert st["wilcoxon_p"] == pytest.approx(0.125) and st["post_wins"] == 4 and st["n"] == 10
     # Paired t interval: differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
-    m, lo, hi = R.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    m, lo, hi = B.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
     assert m == 3.0 and hi - m == pytest.approx(2.776 * math.sqrt(2.5 / 5), rel=1e-12)
     assert lo == pytest.approx(3.0 - 1.9630, abs=1e-4)       # by hand: 2.776 x 0.7071
 
@@ -1982,10 +1985,10 @@ def test_the_pool_workers_start_with_ctrl_c_ignored(monkeypatch, capsys):
             seen.append("terminated")
     monkeypatch.setattr(multiprocessing, "get_context", lambda kind: type("C", (), {
         "Pool": staticmethod(Pool)}))
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 2)
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
     before = signal.getsignal(signal.SIGINT)   # Python's handler, or SIG_IGN in a background job
     with pytest.raises(KeyboardInterrupt):
-        R.run_grid([R.Config(), R.replace(R.Config(), seed=1)], "cpu")
+        B.run_grid([R.Config(), B.replace(R.Config(), seed=1)], "cpu")
     assert seen == [signal.SIG_IGN, "terminated"]
     assert signal.getsignal(signal.SIGINT) is before
 
@@ -2005,6 +2008,8 @@ def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path
         assert len(m[key]) == 7 and len(m["raw"][key]) == 7
     assert R.load_checkpoint(str(out / "ck.pt")).cfg == R.Config(**m["config"])
     assert "mean TVD" in capsys.readouterr().out
+    expect_exit_2(["--save", str(out / "ck.pt")], "--save", capsys)   # never replaces a file
+    assert R.load_checkpoint(str(out / "ck.pt")).cfg.norm == "post"
 
 
 def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch):
@@ -2031,9 +2036,9 @@ BAD_INPUT = [   # argv, and after " | " the flag its one line names where that i
     "--vocab 1024 --train-len 1023 | --batch-size",
     "--n-embd 2048 --n-layer 16 --mlp --batch-size 1 | --batch-size",
     "--vocab 1024 --train-len 100 --n-embd 1 --targets exact --batch-size 4387 | --batch-size",
-    "--task dyck --train-len 256 --n-layer 16 --n-head 64 --batch-size 1 | --batch-size",
-    "--task dyck --train-len 1000 | --train-len", "--task dyck --vocab 9 | --vocab",
-    "--theory --steps 5 | --steps", "--compare --post-norm | --norm", "--suite --vocab 9 | --vocab",
+    "--suite --train-len 256 --n-layer 16 --n-head 64 --n-embd 64 --batch-size 1 | --batch-size",
+    "--suite --train-len 1000 | --train-len",
+    "--theory --steps 5 | --steps", "--compare --post-norm | --post-norm", "--suite --vocab 9 | --vocab",
     # no abbreviations (one spelling per flag); --dropout is no flag (no documented command used
     # it); a single run takes --lr, not --lrs; --suite's and --theory's own limits
     "--ste 5", "--norm pre --post-norm | --post-norm", "--ema 0.9 --bema | --bema",
@@ -2059,11 +2064,11 @@ def test_a_grid_counts_the_runs_it_trains_at_once(monkeypatch, capsys, tmp_path)
     # About 4.2 GiB a run: one fits under 8 GiB, two at once do not.
     argv = ["--compare", "--regimes", "sampled/constant", "--vocab", "256", "--train-len", "100",
             "--n-embd", "8", "--batch-size", "1500", "--out", str(tmp_path)]
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 2)
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
     expect_exit_2(argv, "2 run(s) at once", capsys)
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
-    monkeypatch.setattr(R, "compare", lambda *a, **k: None)
-    R.main(argv)
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
+    monkeypatch.setattr(B, "compare", lambda *a, **k: None)
+    B.main(argv)
 
 
 @pytest.mark.parametrize("stop,code,said", [("nan", 1, "smaller --lr"), ("ctrl-c", 130, "Ctrl-C")])
@@ -2087,7 +2092,7 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
     # Without --resume, with other flags, or with a line that is not a run of this grid: one
     # line, exit 2, nothing trained and the file as it was.
     argv = ["--compare", "--norms", "pre", "--regimes", "exact/cosine", "--out", str(tmp_path)]
-    run = {"config": R.asdict(R.compare_grid(R.Config(steps=2, batch_size=4, n_embd=8, device="cpu"),
+    run = {"config": R.asdict(B.compare_grid(R.Config(steps=2, batch_size=4, n_embd=8, device="cpu"),
                                              ("pre",), (("exact", "cosine"),))[0]),
            "device": "cpu", "seconds": 1.0, "raw": {}, "ema": {}, "bema": {}}
     alien = [None, {**run, "config": {**run["config"], "old_key": 1}}, {"config": run["config"]},
@@ -2098,30 +2103,27 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
                                ([run], ["--resume", "--device", "auto"], "(its device 'cpu')")] + [
             ([run, x], ["--resume"], "line 2: not a run") for x in alien] + [
             (["{cut", run], ["--resume"], "line 1: not a run"), ([run, "{cut", run], ["--resume"],
-                                                                 "line 2: not a run")]:
+                                                                 "line 2: not a run")] + [
+            ([run, x], ["--resume"], why) for x, why in [("", "(it is blank)"), ("\ufeff" + json.dumps(
+                run), "byte-order mark"), ({**run, "seconds": "3"}, "wrong kind"), ({
+                k: v for k, v in run.items() if k != "raw"}, "(no key 'raw')")]] + [
+            ([run], ["--resume", "utf-16"], "not UTF-8 text"), (["\ufeff{}"], ["--resume"], "mark")]:
         text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
-        path.write_text(text, encoding="utf-8")
+        path.write_bytes(text.encode("utf-16" if "utf-16" in flags else "utf-8"))
+        flags = [f for f in flags if f != "utf-16"]
         expect_exit_2(argv + SMALL + flags, said, capsys)
-        assert path.read_text(encoding="utf-8") == text and os.listdir(tmp_path) == [path.name]
+        assert path.read_bytes() in (text.encode("utf-8"), text.encode("utf-16"))
+        assert os.listdir(tmp_path) == [path.name]
 
 
-def test_no_run_replaces_another_runs_file_nor_trips_over_a_folder_after_training(tmp_path, capsys,
-                                                                                monkeypatch):
-    # A --save onto a file that is no checkpoint, a folder where a run writes a file (a single
-    # run's or a grid's), --handout with no README.md beside the script: one line, exit 2.
-    (tmp_path / "prev").mkdir()
-    (tmp_path / "prev" / "metrics.json").write_text("{}", encoding="utf-8")
+def test_no_run_replaces_another_runs_file_nor_trips_over_a_folder_after_training(tmp_path, capsys):
+    # A folder where a run writes a file (a single run's or a grid's): one line, exit 2.
     for name in ("metrics.json", "compare.runs.jsonl"):
         (tmp_path / "r" / name).mkdir(parents=True)
-    for argv, flag in [(["--save", str(tmp_path / "prev" / "metrics.json")], "--save"),
-                       (["--out", str(tmp_path / "r")], "compare.runs.jsonl there is a folder"),
+    for argv, flag in [(["--out", str(tmp_path / "r")], "compare.runs.jsonl there is a folder"),
                        (["--compare", "--out", str(tmp_path / "r")], "--out")]:
         expect_exit_2(argv + SMALL, flag, capsys)
-    assert read(tmp_path / "prev" / "metrics.json") == "{}"
-    monkeypatch.setattr(R, "__file__", str(tmp_path / "starter.py"))
-    expect_exit_2(["--handout", "--out", str(tmp_path / "h")], "--handout", capsys)
-    monkeypatch.undo()
-    R.check_runs_file(str(tmp_path / "none.jsonl"), [], "cpu", "compare", True, None)
+    B.check_runs_file(str(tmp_path / "none.jsonl"), [], "cpu", "compare", True, None)
     assert "no finished run" in capsys.readouterr().out
 
 
@@ -2130,27 +2132,27 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
     # them is dropped); --resume trains only the others and writes what one uninterrupted
     # command writes; the file goes once the record is written.
     skip_rendering(monkeypatch)
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
     argv = ["--compare", "--norms", "pre,post", "--regimes", "exact/cosine"] + SMALL
     cut, whole = tmp_path / "cut", tmp_path / "whole"
-    R.main(argv + ["--out", str(whole)])
-    trained, real = [], R.train_and_evaluate
+    B.main(argv + ["--out", str(whole)])
+    trained, real = [], B.train_and_evaluate
 
     def counted(cfg, *a, **k):
         if len(trained) == 2 and not resuming:
             raise KeyboardInterrupt
         trained.append(cfg)
         return real(cfg, *a, **k)
-    monkeypatch.setattr(R, "train_and_evaluate", counted)
+    monkeypatch.setattr(B, "train_and_evaluate", counted)
     resuming = False
     with pytest.raises(SystemExit):
-        R.main(argv + ["--out", str(cut)])
+        B.main(argv + ["--out", str(cut)])
     assert "--resume keeps the finished runs" in capsys.readouterr().err
     assert len(read(cut / "compare.runs.jsonl").splitlines()) == 2
     with open(cut / "compare.runs.jsonl", "a", encoding="utf-8") as f:
         f.write('{"config": {"vocab": 3')   # a third line, cut short by a kill: dropped
     resuming = True
-    R.main(argv + ["--out", str(cut), "--resume"])
+    B.main(argv + ["--out", str(cut), "--resume"])
     assert len(trained) == 6 and not (cut / "compare.runs.jsonl").exists()
     report, (once, twice) = read(cut / "compare.md"), (load(d / "compare.json") for d in (whole,
                                                                                          cut))
@@ -2162,12 +2164,12 @@ def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_p
 def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
     # 2 placements x 1 regime x 2 rates on the first seed, then 2 x 1 x 2 more seeds at the
     # chosen rates; every run "takes" 10 s in 1 worker, so after the first run 7 remain: 70 s.
-    monkeypatch.setattr(R, "grid_workers", lambda runs, device: 1)
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
     metrics = {"length": [1, 2, 3], "tvd": [0.1, 0.2, 0.3]}
-    monkeypatch.setattr(R, "train_and_evaluate", lambda cfg, *a, **k: (
+    monkeypatch.setattr(B, "train_and_evaluate", lambda cfg, *a, **k: (
         cfg, {"raw": metrics, "ema": metrics, "bema": metrics}, 10.0))
     base = R.Config(vocab=4, train_len=1, device="cpu")
-    done, _, _, _ = R.tune_rates(base, ("pre", "post"), (("exact", "cosine"),), [1e-3, 1e-2],
+    done, _, _, _ = B.tune_rates(base, ("pre", "post"), (("exact", "cosine"),), [1e-3, 1e-2],
                                  "cpu")
     etas = [line.rsplit("ETA ", 1)[1] for line in capsys.readouterr().out.splitlines()
             if "ETA" in line]
@@ -2176,45 +2178,46 @@ def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
 
 def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
     # README, "Threads": run as a script, one thread (OMP_NUM_THREADS=1) unless the user set a
-    # count; imported (tests, notebooks), the file changes nothing.
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="imported")
-    assert "OMP_NUM_THREADS" not in os.environ
-    monkeypatch.setattr("sys.argv", ["resharpen.py", "--help"])
-    for preset, want in ((None, "1"), ("3", "3")):
-        if preset:
-            monkeypatch.setenv("OMP_NUM_THREADS", preset)
-        with pytest.raises(SystemExit):
-            runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
-        assert os.environ["OMP_NUM_THREADS"] == want
+    # count; imported (tests, notebooks), the file changes nothing. The same for the lab.
+    for path in ("resharpen.py", "plots/lab.py"):
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        runpy.run_path(os.path.join(HERE, path), run_name="imported")
+        assert "OMP_NUM_THREADS" not in os.environ
+        monkeypatch.setattr("sys.argv", [path, "--help"])
+        for preset, want in ((None, "1"), ("3", "3")):
+            if preset:
+                monkeypatch.setenv("OMP_NUM_THREADS", preset)
+            with pytest.raises(SystemExit):
+                runpy.run_path(os.path.join(HERE, path), run_name="__main__")
+            assert os.environ["OMP_NUM_THREADS"] == want
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
-    # python resharpen.py --theory | head: the reader is gone. The script runs as __main__ in
+    # python plots/lab.py --theory | head: the reader is gone. The script runs as __main__ in
     # this process (no second start of torch), printing into a pipe whose reading end is closed.
     read_end, write_end = os.pipe()
     os.close(read_end)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")   # restored afterwards
-    monkeypatch.setattr(sys, "argv", ["resharpen.py", "--theory", "--vocab", "4", "--train-len",
+    monkeypatch.setattr(sys, "argv", ["plots/lab.py", "--theory", "--vocab", "4", "--train-len",
                                       "2", "--out", str(tmp_path)])
     with open(write_end, "w", buffering=1, encoding="utf-8") as pipe:
         monkeypatch.setattr(sys, "stdout", pipe)
         with pytest.raises(SystemExit) as stopped:
-            runpy.run_path(os.path.join(HERE, "resharpen.py"), run_name="__main__")
+            runpy.run_path(os.path.join(HERE, "plots", "lab.py"), run_name="__main__")
         monkeypatch.undo()
     assert stopped.value.code == 1 and capsys.readouterr().err == ""
 
 
 def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(R, "suite", lambda cfg, out, command, **kw: seen.update(kw))
-    R.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
+    monkeypatch.setattr(B, "suite", lambda cfg, out, command, **kw: seen.update(kw))
+    B.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
     assert seen == {"steps": 5, "lr": 0.01}
-    assert {(c.steps, c.lr, c.vocab) for c in R.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
-    monkeypatch.setattr(R, "compare", lambda base, out, command, *a: seen.update(cmd=command))
-    R.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
+    assert {(c.steps, c.lr, c.vocab) for c in B.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
+    monkeypatch.setattr(B, "compare", lambda base, out, command, *a: seen.update(cmd=command))
+    B.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
             "--out", str(tmp_path)])
-    assert seen["cmd"] == "python resharpen.py --compare --bos --n-head 2 --attn-scale logn --mlp"
+    assert seen["cmd"] == "python plots/lab.py --compare --bos --n-head 2 --attn-scale logn --mlp"
 
 # ---- the README and theory.md quote the committed files -------------------------------------
 
@@ -2236,22 +2239,25 @@ def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tm
 
     def from_json(configs, device, averages=None, later=0):
         if resumed:   # run_grid counts the runs it took from a runs file (--resume)
-            monkeypatch.setattr(R, "RESUMED", int(resumed.group(1)))
+            monkeypatch.setattr(B, "RESUMED", int(resumed.group(1)))
         return [(c, runs[c], 0.0) for c in configs], walls.pop() if walls else 0.0, 2
     skip_rendering(monkeypatch)
-    monkeypatch.setattr(R, "run_grid", from_json)
+    monkeypatch.setattr(B, "run_grid", from_json)
     command = committed.split("`")[1]
-    R.main(shlex.split(command)[2:] + ["--out", str(tmp_path)])
+    B.main(shlex.split(command)[2:] + ["--out", str(tmp_path)])
     assert (tmp_path / os.path.basename(table)).read_text(encoding="utf-8") == committed
 
 
-def test_part_1_is_at_most_400_lines_and_never_asks_which_task_it_runs():
+def test_the_reference_is_800_lines_part_1_400_and_never_asks_which_task_it_runs():
     lines = read("resharpen.py").splitlines()
-    end = next(i for i, line in enumerate(lines) if "Part 2: what reproduces" in line)
-    assert end <= 400                  # from the top of the file to Part 2's banner
+    end = next(i for i, line in enumerate(lines) if "Part 2: a single run" in line)
+    assert end <= 400 and len(lines) <= 800   # Part 1: from the top of the file to Part 2's banner
     code = [line.split("#")[0] for line in lines[:end]]
     assert not any("cfg.task" in line or "Language" in line or "cfg.bema" in line
                    for line in code)
+    import ast   # and no function of the reference is longer than 50 lines
+    assert max(f.end_lineno - f.lineno + 1 for f in ast.walk(ast.parse("\n".join(lines)))
+               if isinstance(f, ast.FunctionDef)) <= 50
 
 
 def flat(name):
@@ -2481,7 +2487,7 @@ def test_no_command_in_the_documents_writes_over_the_committed_plots():
         text = " ".join(text.split())
         folders = re.findall(r"--out[ =]([^\s`]+)", text)
         assert all(f.startswith("runs/") or f == "handout" for f in folders), (doc, folders)
-        assert not re.search(r"\('plots'\)", text), doc   # R.depth_sweep('plots') and the like
+        assert not re.search(r"\('plots'\)", text), doc   # B.depth_sweep('plots') and the like
     assert len(re.findall(r"--out runs/", flat("plots/README.md"))) >= 12
 
 
@@ -2499,7 +2505,7 @@ def test_readme_main_command_output_is_what_plots_metrics_json_holds():
 def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkeypatch):
     # Notebook section 6 and the README against the grids (P8: depthN/compare.json's 3 seeds, [:3])
     skip_rendering(monkeypatch)
-    R.depth_sweep(os.path.join(HERE, "plots"), str(tmp_path))
+    B.depth_sweep(os.path.join(HERE, "plots"), str(tmp_path))
     assert read(tmp_path / "depth.md") == (table := read("plots/depth.md"))
     norms, sc, ec = ("pre", "pre-final", "post"), "sampled, constant", "exact, cosine"
     walls, runs, ratios, paired, ats, outside = {}, {}, [], {}, {}, 0
@@ -2517,7 +2523,7 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
         ats[d, regime] = at = {n: [m["tvd"][23] for m in x] for n, x in rs.items()}
         fit = {n: mean([mean(m["tvd"][:12]) for m in x]) for n, x in rs.items()}
         ratios.append(mean(at[nxt := min(norms[1:], key=lambda n: mean(at[n]))]) / mean(at["pre"]))
-        paired[d, regime] = R.mean_interval([a - b for a, b in zip(at["pre"], at[nxt])])
+        paired[d, regime] = B.mean_interval([a - b for a, b in zip(at["pre"], at[nxt])])
         assert mean(at["pre"]) < mean(at[nxt]) and paired[d, regime][2] < 0   # outside, paired
         outside += (apart := all(max(at["pre"]) < min(at[n]) for n in norms[1:]))
         assert (f"| {d} | {regime} | {len(at['pre'])} | " + " | ".join(
@@ -2540,7 +2546,7 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
         assert [s for s in range(1, 32) if final[s - 1] < pre[s - 1]] == list(below)
     assert all(min(norms, key=lambda n: curve(d, f"{n}, {ec}")[30]) == "post" for d in (1, 2, 3))
     A, s31 = ats[4, sc], {n: [m["tvd"][30] for m in runs[1, f"{n}, {sc}"]] for n in norms}
-    first = lambda k: R.mean_interval([a - b for a, b in zip(A["pre"][:k], A["pre-final"])])  # noqa
+    first = lambda k: B.mean_interval([a - b for a, b in zip(A["pre"][:k], A["pre-final"])])  # noqa
     four = [", ".join(f"{mean(c[:12]):.4f} / {c[23]:.4f}{f' (`{n}`)' * (r == sc)}" for n in norms
                       for c in [curve(4, f"{n}, {r}", 3)]) for r in (sc, ec)]   # P8: 3 seeds
     post = sorted(mean(m["tvd"][:12]) for m in runs[4, "post, " + ec])   # two of six fail to fit
@@ -2588,7 +2594,7 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
 def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_path, monkeypatch):
     # P11's ablation: pre with its MLP norm (plots/depthN) and without (plots/mlp_norm/layersN)
     skip_rendering(monkeypatch)
-    R.mlp_norm_table(os.path.join(HERE, "plots"), str(tmp_path))
+    B.mlp_norm_table(os.path.join(HERE, "plots"), str(tmp_path))
     assert read(tmp_path / "mlp_norm.md") == read("plots/mlp_norm/mlp_norm.md")
     arm, rows = {}, []
     for d, normed, path in [(d, n, p) for d in (1, 2) for n, p in (
@@ -2639,14 +2645,14 @@ SPLITS = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate",
 def test_notebook_search_numbers_match_plots_search_json():
     record = load("plots/search.json")
     h, configs = record["summary"], [R.Config(**r["config"]) for r in record["runs"]]
-    assert len(record["runs"]) == 3 * R.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == R.SEARCH_N
+    assert len(record["runs"]) == 3 * B.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == B.SEARCH_N
     P, Q, A = h["pre-final"]["ema"]["all"], h["pre-final"]["raw"]["all"], h["pre"]["ema"]["all"]
-    losses = R.search_losses([configs[3 * i:3 * i + 3] for i in range(R.SEARCH_N)],
+    losses = B.search_losses([configs[3 * i:3 * i + 3] for i in range(B.SEARCH_N)],
                              dict(zip(configs, record["runs"])))
     splits = ", ".join(f"{SPLITS[row[0]]} {row[2].split(' of ')[0]} | {row[3].split(' of ')[0]}"
                        for row in (line.strip("| ").split(" | ") for line in losses[2:]))
     assert_quoted([
-            f"`python resharpen.py --search {R.SEARCH_N} --out runs/search`",
+            f"`python plots/lab.py --search {B.SEARCH_N} --out runs/search`",
             f"won {P['post_wins']} of {P['n']} (95 % interval {P['win_rate_95'][0]:.2f} - "
             f"{P['win_rate_95'][1]:.2f}; sign test p = {P['sign_p']:.2f}, Wilcoxon p = "
             f"{P['wilcoxon_p']:.2f}; median ratio {P['median_ratio']:.2f}, interval "
@@ -2664,12 +2670,12 @@ def test_notebook_and_readme_numbers_match_the_search_with_mlps():
     # P11 items 4-5: plots/search_mlp, 30 configurations x 4 arms, drawn as search_configs draws
     record = load("plots/search_mlp/search.json")
     configs = [R.Config(**r["config"]) for r in record["runs"]]
-    assert configs == [c for g in R.search_configs(30, 0, None, True) for c in g]
+    assert configs == [c for g in B.search_configs(30, 0, None, True) for c in g]
     h, groups = record["summary"], [configs[4 * i:4 * i + 4] for i in range(30)]
     results = {c: r for c, r in zip(configs, record["runs"])}
-    P, S, N = (h[a]["ema"]["all"] for a in ("pre-final", "post", R.NO_LN2))
+    P, S, N = (h[a]["ema"]["all"] for a in ("pre-final", "post", B.NO_LN2))
     low = Counter(min(g, key=lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]) for g in groups)
-    low = Counter(R.arm(c) for c in low.elements())
+    low = Counter(B.arm(c) for c in low.elements())
     f = lambda st: f"won {st['pre_wins']} of {st['n']}"  # noqa: E731
     assert_quoted([f"{f(P)} (95 % interval {P['win_rate_95'][0]:.2f} - {P['win_rate_95'][1]:.2f}; sign test "
                    f"p = {P['sign_p']:.2g}, Wilcoxon p = {P['wilcoxon_p']:.2g}; median ratio {P['median_ratio']:.2f}, "
@@ -2677,7 +2683,7 @@ def test_notebook_and_readme_numbers_match_the_search_with_mlps():
                    f"{f(S)} (p = {S['sign_p']:.2g}; median ratio {S['median_ratio']:.2f}",
                    f"{f(N)} (p = {N['sign_p']:.2g}; median ratio {N['median_ratio']:.2f}",
                    f"`pre` in {low['pre']}, `pre-final` in {low['pre-final']}, `post` in {low['post']}, "
-                   f"`pre, no MLP norm` in {low[R.NO_LN2]} of 30", f"{record['wall_seconds']:.0f} s of wall time",
+                   f"`pre, no MLP norm` in {low[B.NO_LN2]} of 30", f"{record['wall_seconds']:.0f} s of wall time",
                    (lambda g: f"Among the {g['n']} configurations where both fit best (training TVD below 0.05, a "
                     f"pre-registered subgroup) `pre` won {g['pre_wins']} against `pre-final` (p = {g['sign_p']:.2f}; "
                     f"median ratio {g['median_ratio']:.2f})")(h["pre-final"]["ema"]["train TVD < 0.05"])])
@@ -2694,24 +2700,24 @@ def test_notebook_tuned_search_numbers_match_plots_search_tuned():
     configs = [[R.Config(**r["config"]) for r in record["runs"][6 * i:6 * i + 6]]
                for i in range(24)]
     assert [c for group in configs for c in group] == [
-        c for group in R.search_configs(24, 1000, lrs) for c in group]   # every run is there
+        c for group in B.search_configs(24, 1000, lrs) for c in group]   # every run is there
     results = {R.Config(**r["config"]): r for r in record["runs"]}
-    best = [R.search_arms(group, results) for group in configs]
+    best = [B.search_arms(group, results) for group in configs]
     chosen = Counter((arm, c.lr) for b in best for arm, (c, _) in b.items())
     train = lambda arm, b: R.summarize(b[arm][1]["ema"], b[arm][0].train_len)["tvd_train"]  # noqa
     worse = sum(train("post", b) > train("pre-final", b) for b in best)
     at_2l = lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]  # noqa: E731
     pairs = lambda lr: [(pf, po) for group in configs for pf in group for po in group  # noqa
                         if pf.lr == po.lr == lr and (pf.norm, po.norm) == ("pre-final", "post")]
-    shared = [R.search_stats([(math.log(at_2l(pf) / at_2l(po)), 0) for pf, po in pairs(lr)])
+    shared = [B.search_stats([(math.log(at_2l(pf) / at_2l(po)), 0) for pf, po in pairs(lr)])
               for lr in lrs]
     best_at_2l = Counter(min((c for c in group if c.norm == "post"), key=at_2l).lr
                          for group in configs)
-    splits = [line.strip("| ").split(" | ") for line in R.search_losses(configs, results)[2:]]
+    splits = [line.strip("| ").split(" | ") for line in B.search_losses(configs, results)[2:]]
     fit = [R.summarize(results[po]["ema"], po.train_len)["tvd_train"]
            / R.summarize(results[pf]["ema"], pf.train_len)["tvd_train"] for pf, po in pairs(0.001)]
     assert_quoted([
-            "`python resharpen.py --search 24 --lrs 0.001,0.00316,0.01 --seed 1000 --out "
+            "`python plots/lab.py --search 24 --lrs 0.001,0.00316,0.01 --seed 1000 --out "
             "runs/search_tuned`",
             f"144 runs, {record['wall_seconds'] / 3600:.1f} h (interrupted and resumed with `--resume`)",
             f"at 0.001 `post` is lower in {shared[0]['post_wins']} of 24 but also fits the training "
@@ -2836,18 +2842,20 @@ def random_weights(module, seed=0):
 
 
 def grade_ema(M):
-    """Exercise 1: EMA.update with its bias correction, on a model of three tensors of three
-    shapes. After t updates, averaged() must equal sum_i (1 - w) w^(t-i) theta_i / (1 - w^t),
-    whatever the initialization was; and update must take its weight from self.beta(self.t),
-    which BEMA overrides: with beta(t) = 1/t the average is the plain mean of theta_1..theta_t."""
-    thetas = [[torch.randn(shape, generator=torch.Generator().manual_seed(k))
-               for shape in ((2, 3), (2,), (4, 2))] for k in range(6)]
+    """Exercise 1: EMA.update with its bias correction, on a model of five tensors, a LayerNorm's
+    gain and bias (named ln_1) among them. After t updates, averaged() must equal
+    sum_i (1 - w) w^(t-i) theta_i / (1 - w^t), whatever the initialization was; and update must
+    take its weight from self.beta(self.t), which a subclass may override: with beta(t) = 1/t
+    the average is the plain mean of theta_1..theta_t."""
+    thetas = [[torch.randn(shape, generator=torch.Generator().manual_seed(k))   # LN gain, bias too
+               for shape in ((2, 3), (2,), (2,), (2,), (4, 2))] for k in range(6)]
 
     class Mean(M.EMA):
         def beta(self, t):
             return 1 / t
     for decay, make in ((0.5, M.EMA), (0.9, M.EMA), (0.7, Mean)):
-        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 4, bias=False))
+        model = torch.nn.ModuleDict(dict(fc=torch.nn.Linear(3, 2), ln_1=torch.nn.LayerNorm(2),
+                                         lm_head=torch.nn.Linear(2, 4, bias=False)))
         ema, mean = make(model, decay), make is Mean
         for t, theta in enumerate(thetas, start=1):
             with torch.no_grad():
@@ -2864,7 +2872,8 @@ def grade_ema(M):
                     + ("the plain mean: update must take its weight from self.beta(self.t)"
                        if mean else "sum_i (1-w) w^(t-i) theta_i / (1-w^t)")
                     + f" by {(got - want).abs().max():.3g}"
-                    + (": update must move every tensor of the model" if j else ""))
+                    + (": update must move every tensor of the model, LayerNorm gains and biases "
+                       "included" if j else ""))
         assert all(torch.equal(p, th) for p, th in zip(model.parameters(), thetas[-1])), (
             "Exercise 1: EMA.update changed the model's own weights: it must only read them")
 
@@ -2988,10 +2997,14 @@ GAP = ("gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)\n"
        "               - (logits * seen).sum(-1) / seen.sum(-1))")
 WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
     grade_ema: [("beta = self.beta(self.t)", "beta = 1 - self.decay"),     # no bias correction
-                ("beta = self.beta(self.t)",                                 # breaks BEMA
+                ("beta = self.beta(self.t)",                                 # ignores self.beta
                  "beta = (1 - self.decay) / (1 - self.decay**self.t)"),
                 ("avg.lerp_(p, beta)", "avg.lerp_(p, 1 - beta)"),           # weights swapped
-                ("zip(self.shadow, model", "zip(self.shadow[:1], model")],   # the first tensor only
+                ("zip(self.shadow, model", "zip(self.shadow[:1], model"),    # the first tensor only
+                ("for avg, p in zip(self.shadow, model.parameters()):\n            avg.lerp_(p, beta)",
+                 "for avg, (name, p) in zip(self.shadow, model.named_parameters()):\n"
+                 "            if 'ln' not in name and 'norm' not in name:\n"
+                 "                avg.lerp_(p, beta)")],   # skips the norms, the weight-decay habit
     grade_post: [("x = x + self.ln_1(self.drop(a))", "x = self.ln_1(x + self.drop(a))"),
                  ("x = x + self.ln_1(self.drop(a))", "x = x + self.drop(self.ln_1(a))"),
                  ("            a, att = self.attn(x)\n            # Exercise 2",
@@ -3044,8 +3057,11 @@ def test_a_grader_names_its_file_refuses_a_non_module_and_gives_up_on_a_loop(tmp
 
 
 def test_the_handout_stands_alone_and_holds_no_answer(tmp_path, capsys):
+    (tmp_path / "h" / "starter.py").mkdir(parents=True)   # a folder where a file goes
+    expect_exit_2(["--handout", "--out", str(tmp_path / "h")], "holds starter.py", capsys)
     R.main(["--handout", "--out", str(tmp_path)])
-    assert sorted(os.listdir(tmp_path)) == ["exercises.md", "grade.py", "starter.py"]
+    expect_exit_2(["--handout", "--out", str(tmp_path)], "holds exercises.md", capsys)   # again
+    assert sorted(os.listdir(tmp_path)) == ["exercises.md", "grade.py", "h", "starter.py"]
     text, starter, grade = (read(tmp_path / f) for f in ("exercises.md", "starter.py", "grade.py"))
     answers = read("README.md").split("\n## Answers", 1)[1].split("\n## ", 1)[0]
     assert "## Answers" not in text and "For the teacher" not in text and "](" not in text
