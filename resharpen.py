@@ -649,7 +649,7 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--lr-schedule", ["constant", "cosine"], "constant, or a cosine decay to zero"),
     ("--seed", int, "seed of the initialization and the training data"),
     ("--device", ["auto", "cpu", "cuda", "mps"], "auto: cuda, then mps, then cpu"),
-    ("--out", str, "folder for the figures and records (default runs; the README's: plots)"),
+    ("--out", str, "folder for the figures and records (default runs)"),
     ("--norm", list(NORMS), "where the LayerNorm sits, below"),
     ("--post-norm", dict(action="store_const", dest="norm", const="post"), "same as --norm post"),
     ("--ema", float, "weight EMA decay; 0 = off"),

@@ -2082,6 +2082,12 @@ def test_a_grid_counts_the_runs_it_trains_at_once(monkeypatch, capsys, tmp_path)
     monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
     monkeypatch.setattr(B, "compare", lambda *a, **k: None)
     B.main(argv)
+    # A real pool of two spawned workers: each imports plots/lab.py and resharpen.py by itself.
+    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
+    runs = B.compare_grid(R.Config(vocab=5, train_len=2, n_embd=8, steps=2, batch_size=4,
+                                   device="cpu"), ("pre",), (("exact", "cosine"),))
+    done, _, workers = B.run_grid(runs, "cpu")
+    assert workers == 2 and [c for c, _, _ in done] == runs and "[ 3/3]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stop,code,said", [("nan", 1, "smaller --lr"), ("ctrl-c", 130, "Ctrl-C")])

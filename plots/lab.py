@@ -1079,12 +1079,7 @@ def check_runs_file(path, runs, device, mode, resume, bad):
         text = Path(path).read_bytes().decode("utf-8") if os.path.exists(path) else ""
     except UnicodeDecodeError:
         bad(f"{path}: not UTF-8 text (an editor re-saved it, or it is no runs file): {todo}")
-    lines = text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")
-    if lines and not text.endswith("\n") and not lines[-1].startswith("\ufeff"):
-        try:
-            json.loads(lines[-1])
-        except ValueError:
-            lines = lines[:-1]   # the last one cut short by a kill: run_grid drops it
+    lines = text.split("\n")[:-1]   # a last line without its newline was cut short by a kill
     if lines and not resume:
         bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
     if resume and not lines:   # a finished grid removes its runs file
