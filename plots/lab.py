@@ -1078,7 +1078,8 @@ def check_runs_file(path, runs, device, mode, resume, bad):
     try:
         text = Path(path).read_bytes().decode("utf-8") if os.path.exists(path) else ""
     except UnicodeDecodeError:
-        bad(f"{path}: not UTF-8 text (an editor re-saved it, or it is no runs file): {todo}")
+        bad(f"{path}: not UTF-8 text (an editor re-saved it, or it is no runs file): save it as "
+            "UTF-8 or remove it")
     lines = text.split("\n")[:-1]   # a last line without its newline was cut short by a kill
     if lines and not resume:
         bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
