@@ -308,7 +308,7 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0):
 
 
 # ----------------------------------------------------------------------------- comparison
-# python plots/lab.py --compare: every claim of the paper, 3 seeds each (README, "Results")
+# python plots/lab.py --compare: every claim of the paper, 3 seeds each (plots/README.md, section 1)
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
     """Each placement in each regime (at each rate), COMPARE_SEEDS seeds; each run is evaluated
     with its raw, EMA and BEMA weights (averages never feed back: 'EMA off' is the raw run)."""
