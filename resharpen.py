@@ -566,6 +566,7 @@ def run_one(cfg, out, save=None):
 # ------------------------------------------------------- the hand-out (starter.py leaves it out)
 # python resharpen.py --handout --out FOLDER: the exercise sheet, a starter file and its graders
 HANDOUT = ("exercises.md", "starter.py", "grade.py")
+LAB_MODES = ("--compare", "--suite", "--search", "--alternatives", "--theory", "--tables")
 
 
 def starter_source():
@@ -579,7 +580,7 @@ def starter_source():
     for line in Path(__file__).read_text("utf-8").replace("resharpen.py", "starter.py").split("\n"):
         skip = (skip or line.startswith("# ---") and "the hand-out" in line) and not (
             line.startswith("# ---") and "command line" in line)
-        if skip or line.endswith("# hand-out"):
+        if skip or line.endswith("# not in starter.py"):
             continue
         if (begin := re.match(r"\s*# Exercise (\d): ", line)) and not exercise:
             exercise, raised = begin.group(1), False
@@ -654,7 +655,7 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--post-norm", dict(action="store_const", dest="norm", const="post"), "same as --norm post"),
     ("--ema", float, "weight EMA decay; 0 = off"),
     ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
-    ("--handout", bool, "write a class's exercise sheet, starter file and graders"),  # hand-out
+    ("--handout", bool, "write a class's exercise sheet, starter file and graders"),  # not in starter.py
 ]
 LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),
           "n_embd": (1, 2048), "batch_size": (1, 8192), "steps": (1, 10**7), "seed": (0, 2**32 - 5),
@@ -774,9 +775,12 @@ def stop(run, prog, after=lambda code: ""):
 def main(argv=None):
     """The command line. Exit status: 0 done, 1 stopped (NaN, memory), 2 bad input, 130 Ctrl-C."""
     os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen
-    args = (parser := build_parser()).parse_args(argv)
-    if args.handout:  # hand-out
-        return handout(args, parser)  # hand-out
+    parser, argv = build_parser(), sys.argv[1:] if argv is None else argv
+    if lab := [a for a in argv if a.split("=")[0] in LAB_MODES]:  # not in starter.py
+        parser.error(f"{lab[0]} is the lab's: python plots/lab.py {lab[0]} ...")  # not in starter.py
+    args = parser.parse_args(argv)
+    if args.handout:  # not in starter.py
+        return handout(args, parser)  # not in starter.py
     cfg = check_args(args, parser)
     stop(lambda: run_one(cfg, args.out or "runs", args.save), "resharpen.py",
          lambda code: " Nothing was written." if code == 1 else "")

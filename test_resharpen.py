@@ -2022,6 +2022,9 @@ def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path
     assert R.load_checkpoint(str(out / "ck.pt")).cfg == R.Config(**m["config"])
     assert "mean TVD" in capsys.readouterr().out
     expect_exit_2(["--save", str(out / "ck.pt")], "--save", capsys)   # never replaces a file
+    with pytest.raises(SystemExit, match="2"):   # an old habit: the grids moved to the lab
+        R.main(["--suite", "--steps", "5"])
+    assert "python plots/lab.py --suite" in capsys.readouterr().err
     assert R.load_checkpoint(str(out / "ck.pt")).cfg.norm == "post"
 
 
