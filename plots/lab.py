@@ -1,9 +1,8 @@
-"""plots/lab.py: the lab of resharpen.py, the experiments of the lab notebook (plots/README.md).
+"""plots/lab.py: the experiments of the lab notebook (plots/README.md), on top of resharpen.py.
 
-Every grid of the notebook, its runner (one run per core, --resume after Ctrl-C), its statistics,
-tables and figures, and what only the grids use: BEMA, the formal languages, log-length scaling.
-It imports resharpen.py (one folder up) and plugs in through Part 1's interfaces: a task object,
-the ATTENTIONS table and train()'s `averagers`. One mode a command, from the repository root:
+Every grid, its runner (one run per core, --resume after Ctrl-C), statistics, tables and figures,
+and what only the grids use (BEMA, the formal languages, log-length scaling), plugged into Part 1
+through a task object, the ATTENTIONS table and train()'s `averagers`. One mode a command:
     python plots/lab.py --compare --steps 50    # a short comparison; the notebook gives each command
     python plots/lab.py --help                  # the modes and their flags
 """
@@ -516,15 +515,6 @@ def depth_sweep(root, out=None):
     whole = [(d, r) for d in depths for r in first if all((d, r, n, "2 L") in pool for n in norms)]
     if left := [f"{d} layers, {r}" for d in depths for r in first if (d, r) not in whole]:
         print(f"depth_sweep: not every placement in {'; '.join(left)}: left out")
-    fig, axes = new_figure(2 * len(first), width=3.6)
-    for ax, (c, r) in zip(axes, [(c, r) for c in ("2 L", "training lengths") for r in first]):
-        ds = [d for d in depths if (d, r) in whole]
-        for n in norms:
-            ys = [pool[d, r, n, c] for d in ds]
-            ax.plot(ds, [mean(y) for y in ys], color=COLORS[n], label=n)
-            ax.plot([d for d, y in zip(ds, ys) for _ in y], sum(ys, []), "o", ms=4, color=COLORS[n])
-        ax.set(title=f"{r}: TVD, {c}", xlabel="layers", yscale="log", xticks=depths)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
     rows = []
     for d, r in whole:
         at, fit = ({n: pool[d, r, n, c] for n in norms} for c in ("2 L", "training lengths"))
@@ -547,7 +537,22 @@ def depth_sweep(root, out=None):
         "chosen, by the training-length TVD); who is lowest at each rate.", ""] + md_table(
         ["layers", "regime", "lr"] + [f"`{n}`" for n in norms] + ["lowest at 2 L"], by_rate))
     print(text)
-    write_outputs(out or root, {"depth.md": text + "\n", "depth.png": fig})
+    write_outputs(out or root, {"depth.md": text + "\n",
+                                  "depth.png": plot_depth(pool, whole, depths, first, norms)})
+
+
+def plot_depth(pool, whole, depths, first, norms):
+    """depth.png: each placement's TVD against depth, at 2 L and on the training lengths."""
+    fig, axes = new_figure(2 * len(first), width=3.6)
+    for ax, (c, r) in zip(axes, [(c, r) for c in ("2 L", "training lengths") for r in first]):
+        ds = [d for d in depths if (d, r) in whole]
+        for n in norms:
+            ys = [pool[d, r, n, c] for d in ds]
+            ax.plot(ds, [mean(y) for y in ys], color=COLORS[n], label=n)
+            ax.plot([d for d, y in zip(ds, ys) for _ in y], sum(ys, []), "o", ms=4, color=COLORS[n])
+        ax.set(title=f"{r}: TVD, {c}", xlabel="layers", yscale="log", xticks=depths)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
+    return fig
 
 
 def mlp_norm_table(root, out=None):
@@ -1102,13 +1107,13 @@ def runs_line_problem(line, keys, planned, device):
         return "not JSON"
     if not isinstance(r, dict) or (missing := sorted(keys - set(r))):
         return f"no key {missing[0]!r}" if isinstance(r, dict) else "not a JSON object"
-    fields = {k: type(v) for k, v in asdict(Config()).items()}
-    if not isinstance(r["config"], dict) or set(r["config"]) - set(fields) or not all(
-            isinstance(v, (float, int) if t is float else t) for k, v in r["config"].items()
-            for t in [fields[k]]) or not isinstance(r["seconds"], (int, float)):
+    kinds = {k: (int, float) if type(v) is float else type(v) for k, v in asdict(Config()).items()}
+    c = r["config"]
+    if not (isinstance(c, dict) and set(c) <= set(kinds) and isinstance(r["seconds"], (int, float))
+            and all(isinstance(v, kinds[k]) for k, v in c.items())):
         return "a value of the wrong kind in its config or seconds"
-    c = Config(**r["config"])   # what differs from the nearest run of this command:
-    why = min(([f"{k} {getattr(c, k)!r}" for k in fields if getattr(c, k) != getattr(p, k)]
+    c = Config(**c)   # what differs from the nearest run of this command:
+    why = min(([f"{k} {getattr(c, k)!r}" for k in kinds if getattr(c, k) != getattr(p, k)]
                for p in planned), key=len) + [f"run on {r['device']}"] * (r["device"] != device)
     return "its " + ", ".join(why) if why else None
 
