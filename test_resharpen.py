@@ -3,19 +3,14 @@ computed independently (a loop over tokens, a closed form, a brute force, PyTorc
 CPU only, seconds. The claims of theory.md are tested where their stage of Part 1 is."""
 
 import contextlib
-import glob
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import re
 import runpy
 import shlex
-import signal
-import statistics
-import sys
-from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,8 +18,6 @@ import torch.nn.functional as F
 
 import resharpen as R
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "plots"))
-import lab as B  # noqa: E402  (plots/lab.py, the lab)
 
 torch.set_num_threads(1)   # models of a few hundred weights: threads only wait for each other
 
@@ -34,9 +27,8 @@ REFERENCE = R   # the graders' default module (grade.py, written by --handout, h
 @pytest.fixture(autouse=True)
 def quick_evaluation(monkeypatch):
     """Commands and grids evaluate on 20 fixed inputs instead of 1000 (tests of their numbers
-    call evaluate() with their own n_perm), and no grid reads another test's runs.jsonl."""
+    call evaluate() with their own n_perm)."""
     monkeypatch.setattr(R, "EVAL_PERMS", 20)
-    monkeypatch.setattr(B, "RUNS_FILE", None)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -249,36 +241,6 @@ def post_norm_with_values(v, values, norm_cls):
     return model
 
 
-def random_one_layer(norm, bos=False, n_layer=1):
-    return randomize(R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
-                                            bos=bos, n_layer=n_layer)).double())
-
-
-def last(model, seq):
-    return model(torch.tensor([seq]))[0, -1]
-
-
-def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
-    """E.3's model in the Transformer with --bos: B = -d, D = -delta I + d, BOS value d (d != 0),
-    BOS score b above the others, and an own-key bonus Delta. Features: 0 constant, 1 BOS
-    flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token (not read)."""
-    n, eye = 2 * v + 2, torch.eye(v, dtype=DT)
-    d, E = torch.linspace(-1, 1, v, dtype=DT) ** 2, torch.zeros(v + 1, n, dtype=DT)
-    E[:, 0] = E[v, 1] = 1.0                           # constant, BOS flag
-    E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
-    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
-    W_Q[0, 0] = b * math.sqrt(n)                      # every query (1, 0, ..)
-    W_K[1, 0] = 1.0                                   # key 1 on BOS only: score b
-    W_Q[v + 2:, v + 2:] = Delta * math.sqrt(n) * eye  # own-key bonus Delta
-    W_K[v + 2:, v + 2:] = eye
-    W_V[0, 2:v + 2] = d                               # constant feature -> d
-    W_V[v + 2:, 2:v + 2] = -delta * eye               # token x -> -delta e_x
-    U = torch.zeros(n, v, dtype=DT)
-    U[2:v + 2] = eye
-    U[0] = -d                                         # B = -d
-    return text_model(E, U, W_V, None, W_Q, W_K, bos=True, attn_scale=attn_scale)
-
-
 def fit_lengths_1_2(v, n, h, steps=1500, seed=0):
     """theory.md, Appendix A: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
     attention, no norm), with B = E U and D = E W_V W_O U (widths n, h), to balanced
@@ -339,9 +301,9 @@ def length_2_split(model, v):
     return alpha
 
 
-def margin_c(v, norm, s, gamma, eps):
-    """Appendices C.1-C.3's margins of the hand-built models (n = 2v), written here from
-    theory.md, not taken from resharpen.predicted_margin."""
+def margin_c(v, norm, s, gamma=1.0, eps=1e-5):
+    """Appendices C.1-C.3's margins of the hand-built models (n = 2v), written from theory.md
+    (the lab's predicted_margin is tested against it)."""
     n = 2 * v
     var_1 = (n - 1) / n**2 + eps
     if norm == "pre":
@@ -354,56 +316,17 @@ def margin_c(v, norm, s, gamma, eps):
     return gamma * (1 / s) / math.sqrt((1 + 1 / s - 1 / v) / n - 1 / n**2 + eps)
 
 
-def legal_prefix(seq, task, k, D):
-    """Is seq a prefix of some stream of the language?"""
-    stack, counts = [], [0] * k
-    for tok in seq:
-        kind, opens = tok % k, tok < k
-        if tok == 2 * k:                                  # END: only with nothing open
-            if any(counts):
-                return False
-        elif task == "dyck" and (len(stack) == D if opens else stack[-1:] != [kind]):
-            return False                                  # a full stack, or the wrong close
-        elif task == "shuffle" and not opens and counts[kind] == 0:
-            return False                                  # a close with no open
-        else:
-            counts[kind] += 1 if opens else -1
-            stack = stack + [kind] if opens else stack[:-1]
-    return True
-
-
-def dyck_probability(seq, k, D):
-    """The automaton's probability of the token sequence, rule by rule (Hewitt et al. 2020:
-    empty stack: each open 1/(2k), END 1/2; full: the matching close; else each open
-    1/(2k), the matching close 1/2)."""
-    stack, prob = [], 1.0
-    for tok in seq:
-        if not stack:
-            rule = {**{o: 1 / (2 * k) for o in range(k)}, 2 * k: 0.5}
-        elif len(stack) == D:
-            rule = {k + stack[-1]: 1.0}
-        else:
-            rule = {**{o: 1 / (2 * k) for o in range(k)}, k + stack[-1]: 0.5}
-        prob *= rule.get(tok, 0.0)
-        if prob == 0:
-            return 0.0
-        if tok < k:
-            stack.append(tok)
-        elif tok < 2 * k:
-            stack.pop()
-    return prob
-
-
-LANGUAGES = [dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brackets=1, max_depth=3),
-             dict(task="shuffle", brackets=2), dict(task="shuffle", brackets=1)]
+def pi(v, s, m):
+    """Section 2.4: the TVD (= invalid mass) of balanced logits of margin m at length s."""
+    return s / (s + (v - s) * math.exp(m))
 
 
 SMALL = ["--steps", "2", "--batch-size", "4", "--n-embd", "8", "--device", "cpu"]
 
 
-def expect_exit_2(argv, flag, capsys):   # a lab mode goes to plots/lab.py, the rest to resharpen.py
+def expect_exit_2(argv, flag, capsys, main=R.main):
     with pytest.raises(SystemExit) as e:
-        (B.main if {f"--{m}" for m in B.MODE_FLAGS} & set(argv) else R.main)(argv)
+        main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
@@ -568,7 +491,7 @@ def test_same_seed_gives_same_numbers_and_ema_off_is_exactly_the_raw_weights_of_
     # The average never feeds back into training, so 'EMA off' needs no separate run.
     cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=20, batch_size=8, device="cpu")
     plain, _, losses = R.train(cfg, log=lambda *a: None)
-    with_ema, (ema,), ema_losses = R.train(B.replace(cfg, ema=0.9), log=lambda *a: None)
+    with_ema, (ema,), ema_losses = R.train(replace(cfg, ema=0.9), log=lambda *a: None)
     assert losses == ema_losses
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), with_ema.parameters()))
 
@@ -686,12 +609,25 @@ def test_a_few_hundred_steps_lower_the_loss_and_the_first_progress_line_comes_ea
     assert lines[0].startswith("step    10/160") and len(lines) == 9   # at 10, then every 20
 
 
+def test_each_step_trains_lengths_1_to_L_on_data_drawn_from_the_seed():
+    # One batch of L + 1 tokens a step, from a generator seeded with --seed (and nothing else):
+    # inputs of lengths 1 .. L, each next token a sample of its prefix's target.
+    cfg, seen = R.Config(vocab=9, train_len=5, n_embd=8, steps=3, batch_size=4, seed=7), []
+
+    class Recorded(R.SetComplement):
+        def sample(self, n, T, generator=None):
+            seen.append((n, T, generator.initial_seed()))
+            return super().sample(n, T, generator)
+    R.train(cfg, Recorded(cfg), log=lambda *a: None)
+    assert seen == [(4, 6, 7)] * 3
+
+
 def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
     cfg = R.Config(lr=0.01, steps=101, lr_schedule="cosine")
     assert R.learning_rate(cfg, 1) == pytest.approx(0.01)
     assert R.learning_rate(cfg, 51) == pytest.approx(0.005)
     assert R.learning_rate(cfg, 101) == pytest.approx(0.0, abs=1e-12)
-    assert R.learning_rate(B.replace(cfg, lr_schedule="constant"), 101) == 0.01
+    assert R.learning_rate(replace(cfg, lr_schedule="constant"), 101) == 0.01
 
 # ---- Part 1: evaluation (theory.md, section 2.4) --------------------------------------------
 
@@ -749,20 +685,19 @@ def test_bos_changes_the_uniform_entropy_to_log_s_plus_1():
 def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma):
     # Section 2.4: for balanced logits of margin m (any sign) TVD = pi = s / (s + (v - s) e^m)
     # and KL(p* || q) = -log(1 - pi). The margin is the model's own (balance checked on random
-    # inputs, m from its logits), pi is computed here, and evaluate() must match it.
+    # inputs, m from its logits), pi(v, s, m) is computed here, and evaluate() must match it.
     v = 12
     for norm in R.NORMS:
         model = R.hand_built(v, norm, gamma)
         m = margins_at_every_length(model, v, n_perm=3)
         got = R.evaluate(model, n_perm=10)
         for s, ms in zip(got["length"], m):
-            pi = s / (s + (v - s) * math.exp(ms))
+            tvd = pi(v, s, ms)
             assert got["logit_gap"][s - 1] == pytest.approx(ms, rel=1e-9, abs=1e-12)
-            assert got["tvd"][s - 1] == pytest.approx(pi, rel=1e-9, abs=1e-15)
-            assert got["invalid_mass"][s - 1] == pytest.approx(pi, rel=1e-9, abs=1e-15)
-            assert got["kl"][s - 1] == pytest.approx(-math.log1p(-pi), rel=1e-9, abs=1e-15)
-            assert B.predicted_tvd(v, s, B.predicted_margin(v, norm, s, gamma)) == pytest.approx(
-                pi, rel=1e-9, abs=1e-15)
+            assert got["tvd"][s - 1] == pytest.approx(tvd, rel=1e-9, abs=1e-15)
+            assert got["invalid_mass"][s - 1] == pytest.approx(tvd, rel=1e-9, abs=1e-15)
+            assert got["kl"][s - 1] == pytest.approx(-math.log1p(-tvd), rel=1e-9, abs=1e-15)
+            assert margin_c(v, norm, s, gamma) == pytest.approx(ms, rel=1e-9)
 
 
 def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer():
@@ -778,7 +713,7 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
         ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)     # (B, T)
         row = []
         for s in range(1, v):
-            m = B.predicted_margin(v, "pre", s, gamma)
+            m = margin_c(v, "pre", s, gamma)
             want = math.log(v - s + s * math.exp(-m))
             assert ce[:, s - 1].tolist() == pytest.approx([want] * len(idx), rel=1e-10)
             row.append(want)
@@ -987,7 +922,7 @@ def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_no
 
 def test_pre_norm_margin_decays_like_two_over_s():
     # theory.md, section 3: margin(s) = (2 / s) margin(2) under uniform attention.
-    m2 = B.predicted_margin(20, "pre", 2)
+    m2 = margin_c(20, "pre", 2)
     model = R.evaluate(R.hand_built(20, "pre"), n_perm=10)
     for s, gap in zip(model["length"], model["logit_gap"]):
         assert gap == pytest.approx(2 / s * m2, rel=1e-5)
@@ -1145,10 +1080,10 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
         # Balanced: every seen logit equal, every unseen logit equal (theory.md, section 3).
         assert (lo - lo[:, :1]).abs().max() < 1e-9 and (hi - hi[:, :1]).abs().max() < 1e-9
         margin = (hi[:, 0] - lo[:, 0]).mean().item()
-        assert margin == pytest.approx(B.predicted_margin(vocab, norm, s, gamma), abs=1e-9)
+        assert margin == pytest.approx(margin_c(vocab, norm, s, gamma), abs=1e-9)
     m = R.evaluate(model, n_perm=20)
     for s, tvd, inv, gap in zip(m["length"], m["tvd"], m["invalid_mass"], m["logit_gap"]):
-        want = B.predicted_tvd(vocab, s, B.predicted_margin(vocab, norm, s, gamma))
+        want = pi(vocab, s, margin_c(vocab, norm, s, gamma))
         assert tvd == pytest.approx(want, rel=1e-6, abs=1e-14)
         assert inv == pytest.approx(tvd, rel=1e-6, abs=1e-14)   # TVD = invalid mass
 
@@ -1156,7 +1091,7 @@ def test_hand_built_models_match_the_formulas(vocab, norm):
 def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
     v, gamma = 8, 1.3
     pre, final = (R.hand_built(v, norm, gamma) for norm in ("pre", "pre-final"))
-    model = R.Transformer(B.replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
+    model = R.Transformer(replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
     model.load_state_dict(pre.state_dict(), strict=False)   # ln_2 and the MLP are new
     block, eye = model.blocks[0], torch.eye(2 * v, dtype=DT)
     block.mlp[1] = torch.nn.Identity()   # a linear MLP whose two matrices multiply to I
@@ -1165,8 +1100,8 @@ def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
     idx = R.SetComplement(pre.cfg).sample(5, v - 1, torch.Generator().manual_seed(1))
     assert torch.allclose(model(idx), pre(idx) + final(idx), atol=1e-12)
     m = R.evaluate(model, n_perm=20)
-    assert m["logit_gap"] == pytest.approx([B.predicted_margin(v, "pre", s, gamma) +
-                                            B.predicted_margin(v, "pre-final", s, gamma)
+    assert m["logit_gap"] == pytest.approx([margin_c(v, "pre", s, gamma) +
+                                            margin_c(v, "pre-final", s, gamma)
                                             for s in m["length"]], rel=1e-9)
     # and the code's GELU MLP can be the identity: GELU(z) - GELU(-z) = z (theory.md, C.6)
     mlp, pm = R.Block(R.Config(n_embd=4, mlp=True)).mlp.double(), torch.cat([torch.eye(4), -torch.eye(4)])
@@ -1190,7 +1125,7 @@ def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
         want = gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s))
         assert m[s - 1] == pytest.approx(want, rel=1e-10)
         assert gap[s - 1] == pytest.approx(want, rel=1e-10)
-        assert B.predicted_margin(v, "post", s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
+        assert margin_c(v, "post", s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
         assert (m[s - 1] == pytest.approx(floor, rel=1e-10) if 2 * s == v
                 else m[s - 1] > floor * (1 + 1e-6))
 
@@ -1388,7 +1323,7 @@ def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
     for s, m in enumerate(margins_with_eps_0(v, norm, gamma), start=1):
         want = gamma * math.sqrt(n) / math.sqrt(A * s * (1 - s / v) + c * s * s)
         assert m == pytest.approx(want, rel=1e-10)
-        assert B.predicted_margin(v, norm, s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
+        assert margin_c(v, norm, s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
 
 
 def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_over_m2_not_2():
@@ -1406,8 +1341,8 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
             assert gain == pytest.approx(want, rel=1e-10)
         assert all(a < b for a, b in zip(gains, gains[1:]))
         assert gains[-1] < math.sqrt(1 + (1 - s0 / v) / (s0 * A))
-    gain = lambda vv, s0: (B.predicted_margin(vv, "post-residual", vv - 1, eps=0.0)
-                           / B.predicted_margin(vv, "post-residual", s0, eps=0.0) * (vv - 1) / s0)
+    gain = lambda vv, s0: (margin_c(vv, "post-residual", vv - 1, eps=0.0)
+                           / margin_c(vv, "post-residual", s0, eps=0.0) * (vv - 1) / s0)
     assert (gain(32, 2), gain(32, 1)) == pytest.approx((1.214, 1.408), abs=1e-3)
     assert gain(32, 2) < gain(10**6, 2) < math.sqrt(1.5) and gain(10**6, 2) > math.sqrt(1.5) - 1e-5
     assert gain(10**6, 1) == pytest.approx(math.sqrt(2), abs=1e-5)
@@ -1435,11 +1370,11 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     got = {}
     for norm in R.NORMS:
         gamma = 6.0 / margin_c(v, norm, train_len, 1.0, eps)
-        assert B.predicted_margin(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
+        assert margin_c(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
         m = margins_at_every_length(R.hand_built(v, norm, gamma), v, n_perm=2)
         for s, ms in enumerate(m, start=1):
             assert ms == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-9)
-            assert ms == pytest.approx(B.predicted_margin(v, norm, s, gamma), rel=1e-9)
+            assert ms == pytest.approx(margin_c(v, norm, s, gamma), rel=1e-9)
         # eps is visible at this tolerance: the eps = 0 formula is off by more than 1e-6
         assert abs(margin_c(v, norm, v - 1, gamma, 0.0) / m[-1] - 1) > 1e-6
         tvd = [s / (s + (v - s) * math.exp(ms)) for s, ms in enumerate(m, start=1)]
@@ -1464,364 +1399,6 @@ def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
         assert tvd == pytest.approx(s / (s + (v - s) * math.exp(margin)), rel=1e-9)
         bound = s / (s + (v - s) * math.exp(floor))
         assert tvd <= bound * (1 + 1e-12) and (abs(tvd - bound) < 1e-12 * bound) == (s == v // 2)
-
-
-def test_theory_tvd_never_overflows():
-    assert 0 <= B.predicted_tvd(1024, 900, 5000.0) < 1e-300   # e^-5000: 0 in float64
-    assert 0 <= B.predicted_tvd(128, 119, 1e6) < 1e-300
-    assert B.predicted_tvd(32, 5, 3.0) == pytest.approx(5 / (5 + 27 * math.exp(3.0)))
-    assert B.predicted_tvd(32, 5, -1e6) == 1.0
-
-# ---- Part 2: BEMA ---------------------------------------------------------------------------
-
-
-def test_bema_equals_its_closed_form():
-    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
-    # bema_t = a_t (theta_t - theta_0) + ema_t
-    model = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
-    theta0, bema = model.weight.detach().clone(), B.BEMA(model)
-    thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
-    ema = theta0
-    for t, th in enumerate(thetas, start=1):
-        model.weight.copy_(th)
-        bema.update(model)
-        b, a = (10 + t) ** -0.5, (10 + t) ** -0.2
-        ema = (1 - b) * ema + b * th
-    assert torch.allclose(bema.averaged()[0], a * (thetas[-1] - theta0) + ema, atol=1e-6)
-
-
-def test_bema_without_correction_is_the_ema_with_the_same_schedule():
-    model = torch.nn.Linear(3, 3).requires_grad_(False)
-    bema, plain = B.BEMA(model, correct=False), R.EMA(model, decay=0.5)
-    plain.beta = bema.beta          # same schedule, plain update rule
-    for k in range(6):
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
-        bema.update(model)
-        plain.update(model)
-    for a, b in zip(bema.averaged(), plain.averaged()):
-        assert torch.allclose(a, b)
-
-# ---- Part 2: formal languages (theory.md, Appendix D) ---------------------------------------
-
-
-@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
-def test_language_samplers_emit_only_legal_streams(lang):
-    cfg = B.make_task(R.Config(**lang)).cfg
-    seqs = B.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0))
-    for seq in seqs.tolist():
-        assert legal_prefix(seq, cfg.task, cfg.brackets, cfg.max_depth)
-
-
-@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
-def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
-    cfg = B.make_task(R.Config(**lang)).cfg
-    seqs = B.Language(cfg).sample(40, 25, torch.Generator().manual_seed(1))
-    p = B.Language(cfg).target(seqs, torch.double)
-    assert torch.allclose(p.sum(-1), torch.ones(40, 25, dtype=torch.double))
-    for b, seq in enumerate(seqs.tolist()):
-        for t in range(25):
-            for a in range(cfg.vocab):
-                legal = legal_prefix(seq[: t + 1] + [a], cfg.task, cfg.brackets, cfg.max_depth)
-                assert (p[b, t, a] > 0) == legal
-
-
-@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
-def test_language_targets_equal_brute_force_over_all_short_streams(lang):
-    # Enumerate every token sequence of length n; keep the legal ones, weighted by the
-    # automaton (Dyck) or counted (Shuffle: uniform over legal next tokens, so a stream's
-    # weight is the product of 1 / (number of legal next tokens)).
-    cfg = B.make_task(R.Config(**lang)).cfg
-    k, D, v, n = cfg.brackets, cfg.max_depth, cfg.vocab, 6
-
-    def weight(seq):
-        if cfg.task == "dyck":
-            return dyck_probability(seq, k, D)
-        w = 1.0
-        for t in range(len(seq)):
-            options = [a for a in range(v) if legal_prefix(list(seq[:t]) + [a], "shuffle", k, D)]
-            if seq[t] not in options:
-                return 0.0
-            w /= len(options)
-        return w
-    streams = {s: w for s in itertools.product(range(v), repeat=n) if (w := weight(s)) > 0}
-    assert all(legal_prefix(list(s), cfg.task, k, D) for s in streams)
-    prefix_mass = {}
-    for s, w in streams.items():
-        for t in range(1, n + 1):
-            prefix_mass[s[:t]] = prefix_mass.get(s[:t], 0.0) + w
-    idx = torch.tensor(list(streams))
-    p = B.Language(cfg).target(idx[:, : n - 1], torch.double)
-    for b, s in enumerate(streams):
-        for t in range(1, n):
-            brute = [prefix_mass.get(s[:t] + (a,), 0.0) / prefix_mass[s[:t]] for a in range(v)]
-            assert torch.allclose(p[b, t - 1], torch.tensor(brute, dtype=torch.double), atol=1e-12)
-
-
-@pytest.mark.parametrize("norm", list(R.NORMS))
-def test_one_layer_without_bos_sees_only_the_proportions_of_its_prefix(norm):
-    # Without BOS or positions, a one-layer model's last output depends on its last token
-    # and the proportions of the token counts: '( (' (depth 2: opens 1/4 each, ')' 1/2) and
-    # '( ( ( (' (depth 4, full: only ')') get the same logits. BOS breaks the scaling.
-    model = random_one_layer(norm)
-    assert torch.allclose(last(model, [0, 0]), last(model, [0, 0, 0, 0]), atol=1e-12)
-    assert torch.allclose(last(model, [0, 0, 2]), last(model, [0, 0, 0, 0, 2, 2]), atol=1e-12)
-    with_bos = random_one_layer(norm, bos=True)
-    assert not torch.allclose(last(with_bos, [0, 0]), last(with_bos, [0, 0, 0, 0]), atol=1e-3)
-
-
-@pytest.mark.parametrize("bos", [False, True])
-def test_one_layer_cannot_tell_which_bracket_is_on_top_of_the_stack(bos):
-    # '( [ ( )' leaves '[' on top (']' legal), '[ ( ( )' leaves '(' on top (')' legal): the
-    # same tokens in another order, the same last token, so one layer gives the same logits.
-    for norm in R.NORMS:
-        one = random_one_layer(norm, bos=bos)
-        assert torch.allclose(last(one, [0, 1, 0, 2]), last(one, [1, 0, 0, 2]), atol=1e-12)
-    two = random_one_layer("post", bos=bos, n_layer=2)
-    assert not torch.allclose(last(two, [0, 1, 0, 2]), last(two, [1, 0, 0, 2]), atol=1e-3)
-
-
-def test_normed_bos_average_on_an_arc_separates_depth_0_but_cannot_be_flat_on_3_depths():
-    # LN(e_0 + depth e_1) (eps = 0) lies on a circle of radius sqrt(n) in a plane, on an arc
-    # of arccos(-1/(n-1)) < 180 degrees. The readout w = LN(e_0) falls strictly with depth,
-    # so a threshold separates depth 0 from every depth >= 1 (at every length, since the
-    # normed average does not depend on it). But an affine readout that is equal at depths
-    # 1, 2 and 3 is equal at depth 0 too; one ReLU feature of the depth removes that limit.
-    n, e = 6, torch.eye(6, dtype=DT)
-    ln = lambda h: torch.nn.functional.layer_norm(h, (n,), eps=0.0)
-    pts = torch.stack([ln(e[0] + k * e[1]) for k in range(200)])
-    assert torch.allclose(pts.norm(dim=1), torch.full((200,), math.sqrt(n), dtype=DT))
-    assert torch.linalg.matrix_rank(pts).item() == 2
-    assert math.acos((pts[0] @ pts[-1] / n).item()) < math.acos(-1 / (n - 1)) < math.pi
-    score = pts @ pts[0]
-    assert all(a > b for a, b in zip(score.tolist(), score[1:].tolist()))
-
-    def flat_on_1_2_3_forces_flat_at_0(features):
-        X = torch.cat([features, torch.ones(len(features), 1, dtype=DT)], 1)  # affine readout
-        constraints = torch.stack([X[1] - X[2], X[2] - X[3]])
-        free = null_space(constraints, tol=1e-12)      # readouts equal at depths 1, 2, 3
-        return ((X[0] - X[1]) @ free).abs().max().item() < 1e-9
-
-    assert flat_on_1_2_3_forces_flat_at_0(pts[:5])
-    depth = torch.arange(5, dtype=DT)[:, None]
-    step = depth.clamp_min(0) - (depth - 1).clamp_min(0)     # relu(d) - relu(d - 1): 0, 1, 1, ..
-    assert not flat_on_1_2_3_forces_flat_at_0(torch.cat([pts[:5], step], 1))
-
-
-def test_normed_bos_average_turns_monotonically_and_one_relu_feature_separates_depth_0():
-    # Appendix D, at eps = 0, n = 6: p_h = LN(e_0 + h e_1). (a) The angle of p_h from p_0 in
-    # their plane rises strictly with h and stays below the angle between C e_0 and C e_1,
-    # arccos(-1/(n-1)), tending to it. (b) One ReLU feature relu(p_h . p_0 - c), c halfway
-    # between p_1 . p_0 and n, is positive at depth 0 and 0 at every depth >= 1: a readout
-    # K relu(..) is flat on all depths >= 1 and (n - p_1 . p_0) K / 2 higher at 0.
-    n, H, e = 6, 400, torch.eye(6, dtype=DT)
-    ln = lambda z: torch.nn.functional.layer_norm(z, (n,), eps=0.0)   # noqa: E731
-    pts = torch.stack([ln(e[0] + h * e[1]) for h in range(H)])
-    c0, c1 = e[0] - 1.0 / n, e[1] - 1.0 / n
-    b1 = c0 / c0.norm()
-    b2 = c1 - (c1 @ b1) * b1
-    b2 = b2 / b2.norm()
-    angle, end = torch.atan2(pts @ b2, pts @ b1), math.acos(-1 / (n - 1))
-    assert torch.allclose(pts - (pts @ b1)[:, None] * b1 - (pts @ b2)[:, None] * b2,
-                          torch.zeros_like(pts), atol=1e-12)        # in the plane
-    assert abs(angle[0].item()) < 1e-12
-    assert (angle[1:] - angle[:-1]).min() > 0 and angle.max() < end
-    assert angle[-1].item() == pytest.approx(end, abs=0.01)
-    dot = pts @ pts[0]
-    feature = (dot - (dot[1] + n) / 2).clamp_min(0)
-    assert feature[0] > 0 and feature[1:].abs().max() == 0
-    assert (feature[0] - feature[1]).item() == pytest.approx((n - dot[1].item()) / 2, rel=1e-12)
-    # (c) post's ln_2 (eps > 0, random gain and bias) turns r * w into a switch: its bias at r = 0
-    # (at eps = 0, 0/0), about b + g (w - mean) / sd for large r.
-    ln_2 = random_weights(R.Block(R.Config(n_embd=n, mlp=True, norm="post")).ln_2).double()
-    w = torch.randn(n, generator=torch.Generator().manual_seed(3), dtype=DT)
-    assert torch.equal(ln_2(0 * w), ln_2.bias) and ln(0 * w).isnan().all()
-    assert torch.allclose(ln_2(1e6 * w), ln_2.bias + ln_2.weight * ln(w), atol=1e-9)
-
-
-def test_a_norm_on_a_bos_average_recovers_the_depth_at_any_length():
-    # theory.md, Appendix D: uniform attention over BOS (value e_0) and t brackets (values
-    # +e_1 for an open, -e_1 for a close) averages to (e_0 + depth e_1) / (t + 1). Its size
-    # shrinks with t, but LayerNorm (eps = 0) returns the same vector for the same depth.
-    def attn_average(opens, closes):
-        values = [torch.tensor([1.0, 0, 0, 0])] + [torch.tensor([0, 1.0, 0, 0])] * opens \
-            + [torch.tensor([0, -1.0, 0, 0])] * closes
-        return torch.stack(values).mean(0).double()
-    ln = lambda h: F.layer_norm(h, (4,), eps=0.0)
-    for depth in range(4):
-        short, long = attn_average(depth, 0), attn_average(depth + 20, 20)
-        assert not torch.allclose(short, long)
-        assert torch.allclose(ln(short), ln(long), atol=1e-12)
-    assert not torch.allclose(ln(attn_average(1, 0)), ln(attn_average(2, 0)))
-
-# ---- Part 2: other remedies (theory.md, Appendix E) -----------------------------------------
-
-
-def test_log_length_scaling_multiplies_each_querys_scores_by_s_h_log_n():
-    # softmax(s_h log(n) q.k / sqrt(hs)) with n = t + 1 positions seen, by hand, one head
-    # and one query at a time.
-    model = randomize(R.Transformer(tiny(attn_scale="logn", n_head=2, bos=True)))
-    attn = model.requires_grad_(False).blocks[0].attn
-    attn.log_scale.copy_(torch.tensor([0.7, 1.3]))
-    idx = torch.tensor([[3, 0, 6, 2]])
-    _, atts = model(idx, return_attn=True)
-    x = model.blocks[0].ln_1(model.wte(torch.tensor([7, 3, 0, 6, 2])))   # BOS is token 7
-    Wq, Wk, _ = attn.c_attn.weight.split(8, dim=0)
-    for h in range(2):
-        sl = slice(4 * h, 4 * h + 4)
-        for t in range(5):
-            scores = torch.stack([(Wq[sl] @ x[t]) @ (Wk[sl] @ x[i]) / 2 for i in range(t + 1)])
-            want = torch.softmax(attn.log_scale[h] * math.log(t + 1) * scores, dim=0)
-            if t >= 1:   # BOS's own row is cut from the returned weights
-                assert torch.allclose(atts[0][0, h, t - 1, : t + 1], want, atol=1e-6)
-
-
-def test_log_length_scaling_keeps_equal_scores_equal_and_the_margin_m1_over_s():
-    # E.1 with --attn-scale logn, learned scale 0.8.
-    # (a) Unequal scores: the pair-score model (own-key bonus Delta, U and W_V Theorem 1's
-    # balanced solution for the split it shows at length 2). At length s (n = s positions
-    # seen) the weights are softmax(0.8 log(s) Delta [x = y]), computed here, and the logits
-    # are Theorem 2's -m_1 e_y - delta sum_i a_i (e_(t_i) - e_y) with those weights: the
-    # scaling moved the weights and nothing else. (b) Equal scores stay equal: the hand-built
-    # Pre-Norm model with query-only scores keeps margin m_1 / s = predicted_margin.
-    v, Delta, scale = 6, 0.9, 0.8
-    probe = pair_score_model(v, Delta, attn_scale="logn")
-    probe.blocks[0].attn.log_scale.fill_(scale)
-    alpha = length_2_split(probe, v)[0, 1].item()
-    assert alpha == pytest.approx(1 / (1 + math.exp(scale * math.log(2) * Delta)), rel=1e-12)
-    model = pair_score_model(v, Delta, alpha, attn_scale="logn")
-    model.blocks[0].attn.log_scale.fill_(scale)
-    perm, eye = permutations(3, v, seed=1)[:, : v - 1], torch.eye(v, dtype=DT)
-    logits, atts = model(perm, return_attn=True)
-    for b in range(3):
-        for s in range(1, v):
-            t, y = perm[b, :s].tolist(), perm[b, s - 1].item()
-            bonus = math.exp(scale * math.log(s) * Delta)
-            want = torch.tensor([1.0] * (s - 1) + [bonus], dtype=DT) / (s - 1 + bonus)
-            a = atts[0][b, 0, s - 1, :s]
-            assert torch.allclose(a, want, atol=1e-12)
-            f = -2 * alpha * eye[y] - sum(ai * (eye[ti] - eye[y]) for ai, ti in zip(a.tolist(), t))
-            assert torch.allclose(relative_to_unseen(logits[b, s - 1], t), f, atol=1e-12)
-    v, n = 8, 16   # (b)
-    scaled = R.Transformer(R.Config(vocab=v, n_embd=n, attn_scale="logn")).double()
-    scaled.requires_grad_(False).load_state_dict(R.hand_built(v, "pre").state_dict(), strict=False)
-    scaled.blocks[0].attn.log_scale.fill_(3.0)
-    scaled.blocks[0].attn.c_attn.weight[:n].zero_()
-    scaled.blocks[0].attn.c_attn.weight[0, v:] = 1.0       # W_Q: any token -> q_0 = 1
-    scaled.blocks[0].attn.c_attn.weight[n, v:] = 0.7       # W_K: any token -> k_0 = 0.7
-    m = margins_at_every_length(scaled.eval(), v)
-    for s, ms in enumerate(m, start=1):
-        assert ms == pytest.approx(m[0] / s, rel=1e-10)
-        assert ms == pytest.approx(B.predicted_margin(v, "pre", s), rel=1e-10)
-
-
-def test_log_length_scaling_breaks_proportions_and_lemma_a():
-    # Proposition D.1 and Lemma A need scores not rescaled by length. The same random
-    # one-layer weights (every placement, MLP, 2 heads), read without and with
-    # --attn-scale logn: without, '( ( )' and '( ( ( ( ) )' (proportional counts, same last
-    # token) get the same last logits; with, they differ. And with logn the length-2 splits
-    # no longer give the length-3 weights by Lemma A.
-    g, diffs = torch.Generator().manual_seed(0), []
-    for norm in R.NORMS:
-        models = {scale: R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
-                                                attn_scale=scale)).double().eval()
-                  .requires_grad_(False) for scale in ("none", "logn")}
-        for p in models["none"].parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=DT) * (0.5 if p.dim() == 2 else 0.3)
-                    + (p.dim() == 1))
-        models["logn"].load_state_dict(models["none"].state_dict(), strict=False)
-        ends = {k: (last(m, [0, 0, 2]), last(m, [0, 0, 0, 0, 2, 2])) for k, m in models.items()}
-        assert torch.allclose(*ends["none"], atol=1e-12)
-        diffs.append(f'{(ends["logn"][0] - ends["logn"][1]).abs().max().item():.2g}')
-    assert_quoted(["largest difference is {} (`pre`), {} (`pre-final`), {} (`post`), {} (`post-residual`)"
-                   .format(*diffs)], "theory.md")   # theory.md, Proposition D.1
-    # Lemma A with logn: head 0's weights at length 3 against the odds read at length 2.
-    model, alpha = models["logn"], length_2_split(models["logn"], 5)
-    att3 = model(torch.tensor([[1, 3, 0]]), return_attn=True)[1][0][0, 0, 2]
-    r = (alpha / (1 - alpha))[0, [1, 3, 0]]
-    assert (att3 - r / r.sum()).abs().max() > 0.01
-
-
-def test_dropout_at_training_time_leaves_the_expected_logits_of_pre_unchanged():
-    # Appendix E.2: each attention weight and each block output is kept with probability 1 - p and
-    # divided by 1 - p; the pre model without a final norm is linear in both masks, so the
-    # mean of its training-mode logits is its evaluation-mode logits (Monte Carlo, float64).
-    torch.manual_seed(0)
-    v, p, reps = 6, 0.3, 40000
-    model = R.Transformer(R.Config(vocab=v, n_embd=8, n_head=2, norm="pre", dropout=p)).double()
-    g, idx = torch.Generator().manual_seed(0), torch.tensor([[3, 0, 5, 1]])
-    with torch.no_grad():
-        for prm in model.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=g, dtype=DT) * 0.5 + (prm.dim() == 1))
-        clean = model.eval()(idx)[0, -1]
-        noisy = model.train()(idx.repeat(reps, 1))[:, -1]
-    mean, se = noisy.mean(0), noisy.std(0) / math.sqrt(reps)
-    assert (noisy.std(0) > 0.05).all()                         # dropout is on
-    assert ((mean - clean).abs() < 4.5 * se).all()
-
-
-@pytest.mark.parametrize("b", [0.0, 1.5])
-def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b):
-    # Appendix E.3: every solution has m_2 = m_1 (e^b + 1)/(e^b + 2), D == -delta' I + d with
-    # delta' = m_1 (e^b + 1), D_0 == d and B == -d; at length s the logits are then
-    # -delta' / (e^b + s) 1_t: balanced with margin m_1 (e^b + 1) / (e^b + s).
-    v, e = 5, math.exp(b)
-    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
-    N = null_space(balance_equations(v, b=b))
-    assert N[-1].abs().max() > 1e-3 and (N[-1] - N[-2] * (e + 1) / (e + 2)).abs().max() < 1e-9
-    z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(0), dtype=DT)
-    z = z / z[-2]                                                         # m_1 = 1
-    B, D, D0 = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[2 * v * v: 2 * v * v + v]
-    d = (D + (e + 1) * eye) @ P                                           # delta' = e^b + 1
-    assert (d - d[0]).abs().max() < 1e-9                                  # common row
-    assert ((D0 @ P) - d[0]).abs().max() < 1e-9                           # D_0 == d
-    assert ((B @ P) + d[0]).abs().max() < 1e-9                            # B == -d
-    for s in range(1, v):
-        t = list(range(s))
-        f = B[t[-1]] + e / (e + s) * D0 + D[t].sum(0) / (e + s)
-        assert balanced_margin(f, t, tol=1e-9) == pytest.approx((e + 1) / (e + s), rel=1e-9)
-
-
-def test_bos_sink_model_with_a_nonzero_bos_value_is_balanced_at_every_length():
-    # E.3's model (bos_sink_model: B = -d, D = -delta I + d, BOS value d != 0, BOS score b above
-    # the others): balanced with margin delta / (e^b + s) = m_1 (e^b + 1) / (e^b + s) everywhere.
-    v, b, delta = 6, 1.2, 2.5
-    model = bos_sink_model(v, b, delta)
-    m, e = margins_at_every_length(model, v), math.exp(b)
-    for s, ms in enumerate(m, start=1):
-        assert ms == pytest.approx(delta / (e + s), rel=1e-10)
-        assert ms == pytest.approx(m[0] * (e + 1) / (e + s), rel=1e-10)
-    _, atts = model(permutations(1, v)[:, : v - 1], return_attn=True)
-    for s in range(1, v):
-        assert atts[0][0, 0, s - 1, 0].item() == pytest.approx(e / (e + s), rel=1e-10)
-
-
-def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e_t_i():
-    # E.3's general remark: with D = -delta' I + d, D_0 = d, B = -d and ANY weights (p on BOS,
-    # a_i on the seen tokens) f == -delta' sum_i a_i e_(t_i); balanced iff the a_i are equal,
-    # with margin delta' (1 - p) / s. In the Transformer with --bos and --attn-scale logn (so
-    # BOS's weight is not E.3's e^b / (e^b + s)); scores: b on BOS, an own-key bonus Delta
-    # (Delta = 0: equal weights on the seen tokens).
-    v, b, delta = 6, 1.2, 2.5
-    eye, perm = torch.eye(v, dtype=DT), permutations(3, v, seed=2)[:, : v - 1]
-    for Delta in (0.0, 0.7):
-        model = bos_sink_model(v, b, delta, Delta, attn_scale="logn")
-        model.blocks[0].attn.log_scale.fill_(0.8)
-        logits, atts = model(perm, return_attn=True)
-        for k in range(3):
-            for s in range(1, v):
-                t = perm[k, :s].tolist()
-                w = atts[0][k, 0, s - 1, : s + 1]            # BOS, then the s tokens
-                p, a = w[0].item(), w[1:]
-                assert abs(p - math.exp(b) / (math.exp(b) + s)) > 1e-3
-                f = -delta * (a[:, None] * eye[t]).sum(0)
-                rel = relative_to_unseen(logits[k, s - 1], t)
-                assert torch.allclose(rel, f, atol=1e-12)
-                if Delta == 0.0:
-                    assert torch.allclose(rel[t], torch.full((s,), -delta * (1 - p) / s,
-                                                              dtype=DT), atol=1e-12)
-                elif s > 1:
-                    assert (rel[t].max() - rel[t].min()).item() > 1e-3   # not balanced
 
 # ---- Part 2: files and checkpoints ----------------------------------------------------------
 
@@ -1866,145 +1443,6 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.md"]   # no half b.png, no temporary file
     assert (tmp_path / "a.md").read_text(encoding="utf-8") == "new\n"
 
-# ---- Part 2: the grids and their statistics -------------------------------------------------
-
-
-def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
-    skip_rendering(monkeypatch)
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)   # in this process
-    base = R.Config(vocab=6, train_len=3, n_embd=8, steps=3, batch_size=4, device="cpu")
-    B.alternatives(base, str(tmp_path), "cmd")
-    assert all(f"| {name} | EMA 0.999 |" in read(tmp_path / "alternatives.md")
-               for name in B.ALTERNATIVES)
-    drawn = B.search_configs(40, 0)
-    for pre, pre_final, post in drawn:   # the pre-registered ranges; arms differ only in norm
-        v = pre.vocab
-        assert 16 <= v <= 64 and math.ceil(v / 4) <= pre.train_len <= (v - 1) // 2
-        assert pre.n_embd >= 2 * v - 2 and pre.n_embd % pre.n_head == 0
-        assert 3e-4 <= pre.lr <= 1e-2 and 64 <= pre.batch_size <= 256 and pre.dropout == 0
-        assert 1000 <= pre.steps <= 4000 and pre.ema == 0 and pre.targets == "sampled"
-        assert (pre.norm, pre_final, post) == ("pre", B.replace(pre, norm="pre-final"),
-                                               B.replace(pre, norm="post"))
-    tuned = B.search_configs(24, 1000, [1e-3, 1e-2])   # pre-final and post, each at both rates
-    for runs in tuned:
-        c = runs[0]
-        assert [(r.norm, r.lr) for r in runs] == [("pre-final", 1e-3), ("pre-final", 1e-2),
-                                                  ("post", 1e-3), ("post", 1e-2)]
-        assert 192 <= c.batch_size <= 256 and 4000 <= c.steps <= 8000
-        assert all(B.replace(r, norm=c.norm, lr=c.lr) == c for r in runs)
-    deep = B.search_configs(40, 0, mlp=True)   # section 3's draws, with MLPs, 1-3 blocks, NO_LN2
-    for plain, runs in zip(drawn, deep):
-        assert runs == [B.replace(c, mlp=True, n_layer=runs[0].n_layer) for c in plain] + [
-            B.replace(runs[0], mlp=True, mlp_norm=False)] and 1 <= runs[0].n_layer <= 3
-    assert {runs[0].n_layer for runs in deep} == {1, 2, 3}
-    small = lambda n, seed, lrs=None, mlp=False: [  # noqa: E731
-        [B.replace(c, vocab=8, train_len=3, n_embd=12, steps=3, batch_size=4) for c in g]
-        for g in (tuned if lrs else deep if mlp else drawn)[:n]]
-    monkeypatch.setattr(B, "search_configs", small)
-    B.search(base, str(tmp_path), 3, "cmd")
-    assert load(tmp_path / "search.json")["summary"]["pre-final"]["ema"]["all"]["n"] == 3
-    B.search(B.replace(base, mlp=True), str(tmp_path / "m"), 3, "cmd")
-    summary = load(tmp_path / "m" / "search.json")["summary"]
-    assert list(summary) == ["pre-final", "post", B.NO_LN2] and "pre_wins" in summary["post"][
-        "ema"]["all"] and "`pre, no MLP norm` in" in read(tmp_path / "m" / "search.md")
-    B.search(base, str(tmp_path / "t"), 2, "cmd", lrs=[1e-3, 1e-2])
-    record = load(tmp_path / "t" / "search.json")
-    assert len(record["runs"]) == 8 and set(record["summary"]) == {"pre-final"}
-    assert capsys.readouterr().out.isascii()
-    monkeypatch.setattr(B, "SUITE_SEEDS", 2)
-    monkeypatch.setattr(B, "COMPARE_SEEDS", 2)
-    monkeypatch.setattr(B, "REGIMES", (("sampled", "constant"),))   # all 4: committed-table test
-    base = R.Config(vocab=6, train_len=2, n_embd=8, steps=2, batch_size=2, device="cpu")
-    B.compare(base, str(tmp_path), "cmd")
-    assert {"compare.md", "compare.json", "compare_norms.png", "compare_regimes.png"} <= set(
-        os.listdir(tmp_path))
-    # Tuned rates (every rate on the first seed, the best one on the others), two layers:
-    B.compare(B.replace(base, n_layer=2, mlp=True), str(tmp_path / "t"), "cmd",
-              norms=("pre", "post"), regimes=(("exact", "cosine"),), lrs=[1e-3, 1e-2])
-    record = load(tmp_path / "t" / "compare.json")
-    runs = [(r["config"]["norm"], r["config"]["lr"], r["config"]["seed"]) for r in record["runs"]]
-    chosen = record["chosen_lr"]
-    assert len(runs) == 2 * 2 + 2 * 1 and set(chosen) == {"pre, exact, cosine",
-                                                          "post, exact, cosine"}
-    for norm in ("pre", "post"):
-        first = {r["config"]["lr"]: R.summarize(r["ema"], 2)["tvd_train"] for r in record["runs"]
-                 if r["config"]["norm"] == norm and r["config"]["seed"] == 0}
-        best = chosen[f"{norm}, exact, cosine"]
-        assert best == min(first, key=first.get)
-        assert {s for n, lr, s in runs if n == norm and lr == best} == {0, 1}
-    text = read(tmp_path / "t" / "compare.md")
-    assert "per layer" in text and "| exact, cosine | `post` | 2 |" in text
-    assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
-    # Without the MLP norm (P11's ablation), beside the grid above as its depth2:
-    os.renames(tmp_path / "t" / "compare.json", tmp_path / "a" / "depth2" / "compare.json")
-    B.compare(B.replace(base, n_layer=2, mlp=True, mlp_norm=False), str(
-        tmp_path / "a" / "mlp_norm" / "layers2"), "cmd", ("pre",), (("exact", "cosine"),), [1e-3, 1e-2])
-    B.mlp_norm_table(str(tmp_path / "a"))
-    record = load(tmp_path / "a/mlp_norm/layers2/compare.json")
-    bare = [r["ema"] for r in record["runs"] if r["config"]["lr"] == record["chosen_lr"][
-        "pre, exact, cosine"]]
-    rho = sum(m["logit_gap"][3] * 4 for m in bare) / sum(m["logit_gap"][1] * 2 for m in bare)
-    assert read(tmp_path / "a/mlp_norm/mlp_norm.md").splitlines()[-1].startswith(
-        "| 2 | exact, cosine | no |") and read(tmp_path / "a/mlp_norm/mlp_norm.md").endswith(
-        f" | {rho:.2f} |\n")
-    B.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
-    text = read(tmp_path / "suite.md")
-    assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
-    assert text.isascii() and capsys.readouterr().out.isascii()
-
-
-def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
-    # Wilson 95 % interval of 8 of 10, from the formula by hand: 0.4902 .. 0.9433.
-    assert B.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
-    # Exact tests against counting all 2^n sign patterns.
-    for n in range(1, 9):
-        for k in range(n + 1):
-            extreme = sum(1 for signs in itertools.product((0, 1), repeat=n)
-                          if abs(sum(signs) - n / 2) >= abs(k - n / 2))
-            assert B.sign_test(k, n) == pytest.approx(extreme / 2**n)
-    diffs = [0.5, -1.25, 2.0, 3.5, -0.25, 1.0, 4.0, -3.0]
-    ranks = [r for r, _ in enumerate(sorted(diffs, key=abs), start=1)]
-    signed = sorted(diffs, key=abs)
-    w = sum(r for r, d in zip(ranks, signed) if d > 0)
-    mid = sum(ranks) / 2
-    extreme = sum(1 for signs in itertools.product((0, 1), repeat=len(diffs))
-                  if abs(sum(r * s for r, s in zip(ranks, signs)) - mid) >= abs(w - mid))
-    assert B.wilcoxon(diffs) == pytest.approx(extreme / 2**len(diffs))
-    assert B.wilcoxon([1.0, 1.0, -1.0]) == pytest.approx(1.0)   # ties: ranks 2, 2, 2
-    med, lo, hi = B.bootstrap_median((1.0, 2.0, 3.0, 4.0, 100.0), reps=2000)
-    assert med == 3.0 and 1.0 <= lo <= med <= hi <= 100.0
-    # Zeros (ties of the pair) are dropped by both tests: 6 zeros and 4 wins is 4 of 4.
-    st = B.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
-    assert st["sign_p"] == pytest.approx(B.sign_test(4, 4)) == pytest.approx(0.125)
-    assert st["wilcoxon_p"] == pytest.approx(0.125) and st["post_wins"] == 4 and st["n"] == 10
-    # Paired t interval: differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
-    m, lo, hi = B.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert m == 3.0 and hi - m == pytest.approx(2.776 * math.sqrt(2.5 / 5), rel=1e-12)
-    assert lo == pytest.approx(3.0 - 1.9630, abs=1e-4)       # by hand: 2.776 x 0.7071
-
-
-def test_the_pool_workers_start_with_ctrl_c_ignored(monkeypatch, capsys):
-    # Ctrl-C goes to the parent alone, which stops the workers: none prints a traceback.
-    seen = []
-
-    class Pool:
-        def __init__(self, workers):
-            seen.append(signal.getsignal(signal.SIGINT))
-
-        def imap_unordered(self, job, runs):
-            raise KeyboardInterrupt
-
-        def terminate(self):
-            seen.append("terminated")
-    monkeypatch.setattr(multiprocessing, "get_context", lambda kind: type("C", (), {
-        "Pool": staticmethod(Pool)}))
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
-    before = signal.getsignal(signal.SIGINT)   # Python's handler, or SIG_IGN in a background job
-    with pytest.raises(KeyboardInterrupt):
-        B.run_grid([R.Config(), B.replace(R.Config(), seed=1)], "cpu")
-    assert seen == [signal.SIG_IGN, "terminated"]
-    assert signal.getsignal(signal.SIGINT) is before
-
 # ---- Part 2: the command line ---------------------------------------------------------------
 
 
@@ -2040,57 +1478,30 @@ def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch)
 BAD_INPUT = [   # argv, and after " | " the flag its one line names where that is not argv[0]
     "--vocab 2", "--vocab ten", "--vocab 2000", "--train-len 0", "--ema 1", "--ema -0.1",
     "--vocab 8 --train-len 8 | --train-len", "--steps 0", "--batch-size -3", "--lr 0", "--lr nan",
-    "--n-embd 10 --n-head 3 | --n-head", "--norm middle", "--targets soft", "--task dyck --compare",
-    "--compare --suite | --suite", "--resume", "--theory --resume | --resume",
-    "--compare --vocab 8 --train-len 4 | --train-len", "--save SAVE/sub/", "--save ''",
-    "--save SAVE/m.pt --theory", "--save /proc/nope/ck.pt",
+    "--n-embd 10 --n-head 3 | --n-head", "--norm middle", "--targets soft", "--resume",
+    "--save SAVE/sub/", "--save ''", "--save /proc/nope/ck.pt",
     # --save: an existing folder, the folder --out makes, files the run writes; a name too long
     "--save SAVE", "--save SAVE/o --out SAVE/o", "--save SAVE/new/metrics.json",
     "--save SAVE/o/length.png --out SAVE/o", f"--out SAVE/{'x' * 300}",
     "--seed -1", f"--seed {2**64}", "--n-layer 100000", "--batch-size 10000000",
-    # the memory estimate: the model's, exact targets' tensors, Dyck's evaluation's attention
+    # the memory estimate: the model's, exact targets' tensors
     "--vocab 1024 --train-len 1023 | --batch-size",
     "--n-embd 2048 --n-layer 16 --mlp --batch-size 1 | --batch-size",
     "--vocab 1024 --train-len 100 --n-embd 1 --targets exact --batch-size 4387 | --batch-size",
-    "--suite --train-len 256 --n-layer 16 --n-head 64 --n-embd 64 --batch-size 1 | --batch-size",
-    "--suite --train-len 1000 | --train-len",
-    "--theory --steps 5 | --steps", "--compare --post-norm | --post-norm", "--suite --vocab 9 | --vocab",
-    # no abbreviations (one spelling per flag); --dropout is no flag (no documented command used
-    # it); a single run takes --lr, not --lrs; --suite's and --theory's own limits
+    # no abbreviations (one spelling per flag); the lab's flags are not a single run's
     "--ste 5", "--norm pre --post-norm | --post-norm", "--ema 0.9 --bema | --bema",
-    "--attn-scale cubic", "--dropout 0.1", "--search 0", "--search 4 --vocab 8 | --vocab",
-    "--lrs 0.1,2", "--lrs 0.1", "--compare --norms pre,middle | --norms",
-    "--compare --regimes sampled/linear | --regimes", "--suite --train-len 1024 | --train-len",
-    "--theory --vocab 1024 --train-len 900 | --vocab", "--no-mlp-norm",
-    "--search 4 --mlp --no-mlp-norm | --no-mlp-norm", "--search 4 --mlp --lrs 0.01,0.1 | --lrs",
+    "--attn-scale logn", "--dropout 0.1", "--lrs 0.1", "--no-mlp-norm",
     f"--device {'mps' if torch.cuda.is_available() else 'cuda'}"]   # none here
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_exits_2_with_one_line_before_training(case, capsys, tmp_path):
+def test_bad_input_exits_2_with_one_line_before_training(case, capsys, tmp_path, main=R.main):
     if "/proc/" in case and not os.path.isdir("/proc"):
         pytest.skip("no /proc here")
     out, (argv, _, flag) = tmp_path / "new", case.partition(" | ")
     argv = [a.replace("SAVE", str(tmp_path)) for a in shlex.split(argv)]
-    expect_exit_2(argv + ["--out", str(out)] * ("--out" not in argv), flag or argv[0], capsys)
+    expect_exit_2(argv + ["--out", str(out)] * ("--out" not in argv), flag or argv[0], capsys, main)
     assert not out.exists()                      # a rejected run creates nothing
-
-
-def test_a_grid_counts_the_runs_it_trains_at_once(monkeypatch, capsys, tmp_path):
-    # About 4.2 GiB a run: one fits under 8 GiB, two at once do not.
-    argv = ["--compare", "--regimes", "sampled/constant", "--vocab", "256", "--train-len", "100",
-            "--n-embd", "8", "--batch-size", "1500", "--out", str(tmp_path)]
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
-    expect_exit_2(argv, "2 run(s) at once", capsys)
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
-    monkeypatch.setattr(B, "compare", lambda *a, **k: None)
-    B.main(argv)
-    # A real pool of two spawned workers: each imports plots/lab.py and resharpen.py by itself.
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
-    runs = B.compare_grid(R.Config(vocab=5, train_len=2, n_embd=8, steps=2, batch_size=4,
-                                   device="cpu"), ("pre",), (("exact", "cosine"),))
-    done, _, workers = B.run_grid(runs, "cpu")
-    assert workers == 2 and [c for c, _, _ in done] == runs and "[ 3/3]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stop,code,said", [("nan", 1, "smaller --lr"), ("ctrl-c", 130, "Ctrl-C")])
@@ -2110,164 +1521,27 @@ def test_a_nan_loss_or_ctrl_c_stops_with_one_line_and_writes_nothing(stop, code,
     assert stop != "nan" or "Nothing was written" in err
 
 
-def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_path, capsys):
-    # Without --resume, with other flags, or with a line that is not a run of this grid: one
-    # line, exit 2, nothing trained and the file as it was.
-    argv = ["--compare", "--norms", "pre", "--regimes", "exact/cosine", "--out", str(tmp_path)]
-    run = {"config": R.asdict(B.compare_grid(R.Config(steps=2, batch_size=4, n_embd=8, device="cpu"),
-                                             ("pre",), (("exact", "cosine"),))[0]),
-           "device": "cpu", "seconds": 1.0, "raw": {}, "ema": {}, "bema": {}}
-    alien = [None, {**run, "config": {**run["config"], "old_key": 1}}, {"config": run["config"]},
-             {k: v for k, v in run.items() if k != "bema"}, {**run, "device": "cuda"}]
-    path = tmp_path / "compare.runs.jsonl"
-    for lines, flags, said in [([run], [], "holds 1 finished run(s)"),
-                               ([run], ["--resume", "--steps", "3"], "(its steps 2)"),
-                               ([run], ["--resume", "--device", "auto"], "(its device 'cpu')")] + [
-            ([run, x], ["--resume"], "line 2: not a run") for x in alien] + [
-            (["{cut", run], ["--resume"], "line 1: not a run"), ([run, "{cut", run], ["--resume"],
-                                                                 "line 2: not a run")] + [
-            ([run, x], ["--resume"], why) for x, why in [("", "(it is blank)"), ("\ufeff" + json.dumps(
-                run), "byte-order mark"), ({**run, "seconds": "3"}, "wrong kind"), ({
-                k: v for k, v in run.items() if k != "raw"}, "(no key 'raw')")]] + [
-            ([run], ["--resume", "utf-16"], "not UTF-8 text"), (["\ufeff{}"], ["--resume"], "mark")]:
-        text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
-        path.write_bytes(text.encode("utf-16" if "utf-16" in flags else "utf-8"))
-        flags = [f for f in flags if f != "utf-16"]
-        expect_exit_2(argv + SMALL + flags, said, capsys)
-        assert path.read_bytes() in (text.encode("utf-8"), text.encode("utf-16"))
-        assert os.listdir(tmp_path) == [path.name]
-
-
-def test_no_run_replaces_another_runs_file_nor_trips_over_a_folder_after_training(tmp_path, capsys):
-    # A folder where a run writes a file (a single run's or a grid's): one line, exit 2.
+def test_a_folder_where_a_run_writes_a_file_stops_it_before_training(tmp_path, capsys, main=R.main):
+    # A folder named like a file a run (or a grid) writes: one line, exit 2, before training.
     for name in ("metrics.json", "compare.runs.jsonl"):
         (tmp_path / "r" / name).mkdir(parents=True)
-    for argv, flag in [(["--out", str(tmp_path / "r")], "compare.runs.jsonl there is a folder"),
-                       (["--compare", "--out", str(tmp_path / "r")], "--out")]:
-        expect_exit_2(argv + SMALL, flag, capsys)
-    B.check_runs_file(str(tmp_path / "none.jsonl"), [], "cpu", "compare", True, None)
-    assert "no finished run" in capsys.readouterr().out
+    expect_exit_2(["--out", str(tmp_path / "r")] + SMALL, "compare.runs.jsonl there is a folder",
+                  capsys, main)
 
 
-def test_an_interrupted_grid_resumes_where_it_stopped(monkeypatch, capsys, tmp_path):
-    # Ctrl-C after two runs: both are in OUT/compare.runs.jsonl (and a line cut short after
-    # them is dropped); --resume trains only the others and writes what one uninterrupted
-    # command writes; the file goes once the record is written.
-    skip_rendering(monkeypatch)
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
-    argv = ["--compare", "--norms", "pre,post", "--regimes", "exact/cosine"] + SMALL
-    cut, whole = tmp_path / "cut", tmp_path / "whole"
-    B.main(argv + ["--out", str(whole)])
-    trained, real = [], B.train_and_evaluate
-
-    def counted(cfg, *a, **k):
-        if len(trained) == 2 and not resuming:
-            raise KeyboardInterrupt
-        trained.append(cfg)
-        return real(cfg, *a, **k)
-    monkeypatch.setattr(B, "train_and_evaluate", counted)
-    resuming = False
-    with pytest.raises(SystemExit):
-        B.main(argv + ["--out", str(cut)])
-    assert "--resume keeps the finished runs" in capsys.readouterr().err
-    assert len(read(cut / "compare.runs.jsonl").splitlines()) == 2
-    with open(cut / "compare.runs.jsonl", "a", encoding="utf-8") as f:
-        f.write('{"config": {"vocab": 3')   # a third line, cut short by a kill: dropped
-    resuming = True
-    B.main(argv + ["--out", str(cut), "--resume"])
-    assert len(trained) == 6 and not (cut / "compare.runs.jsonl").exists()
-    report, (once, twice) = read(cut / "compare.md"), (load(d / "compare.json") for d in (whole,
-                                                                                         cut))
-    assert "worker process(es), 2 of them resumed from an interrupted command" in report
-    assert "--resume" not in report.splitlines()[0]
-    assert twice["runs"] == once["runs"] and twice["summary"] == once["summary"]
-
-
-def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
-    # 2 placements x 1 regime x 2 rates on the first seed, then 2 x 1 x 2 more seeds at the
-    # chosen rates; every run "takes" 10 s in 1 worker, so after the first run 7 remain: 70 s.
-    monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)
-    metrics = {"length": [1, 2, 3], "tvd": [0.1, 0.2, 0.3]}
-    monkeypatch.setattr(B, "train_and_evaluate", lambda cfg, *a, **k: (
-        cfg, {"raw": metrics, "ema": metrics, "bema": metrics}, 10.0))
-    base = R.Config(vocab=4, train_len=1, device="cpu")
-    done, _, _, _ = B.tune_rates(base, ("pre", "post"), (("exact", "cosine"),), [1e-3, 1e-2],
-                                 "cpu")
-    etas = [line.rsplit("ETA ", 1)[1] for line in capsys.readouterr().out.splitlines()
-            if "ETA" in line]
-    assert len(done) == 8 and etas == ["70s", "60s", "50s", "40s", "30s", "20s", "10s", "0s"]
-
-
-def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch):
+def test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch, path="resharpen.py"):
     # README, "Threads": run as a script, one thread (OMP_NUM_THREADS=1) unless the user set a
-    # count; imported (tests, notebooks), the file changes nothing. The same for the lab.
-    for path in ("resharpen.py", "plots/lab.py"):
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        runpy.run_path(os.path.join(HERE, path), run_name="imported")
-        assert "OMP_NUM_THREADS" not in os.environ
-        monkeypatch.setattr("sys.argv", [path, "--help"])
-        for preset, want in ((None, "1"), ("3", "3")):
-            if preset:
-                monkeypatch.setenv("OMP_NUM_THREADS", preset)
-            with pytest.raises(SystemExit):
-                runpy.run_path(os.path.join(HERE, path), run_name="__main__")
-            assert os.environ["OMP_NUM_THREADS"] == want
-
-
-def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
-    # python plots/lab.py --theory | head: the reader is gone. The script runs as __main__ in
-    # this process (no second start of torch), printing into a pipe whose reading end is closed.
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # restored afterwards
-    monkeypatch.setattr(sys, "argv", ["plots/lab.py", "--theory", "--vocab", "4", "--train-len",
-                                      "2", "--out", str(tmp_path)])
-    with open(write_end, "w", buffering=1, encoding="utf-8") as pipe:
-        monkeypatch.setattr(sys, "stdout", pipe)
-        with pytest.raises(SystemExit) as stopped:
-            runpy.run_path(os.path.join(HERE, "plots", "lab.py"), run_name="__main__")
-        monkeypatch.undo()
-    assert stopped.value.code == 1 and capsys.readouterr().err == ""
-
-
-def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
-    seen = {}
-    monkeypatch.setattr(B, "suite", lambda cfg, out, command, **kw: seen.update(kw))
-    B.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
-    assert seen == {"steps": 5, "lr": 0.01}
-    assert {(c.steps, c.lr, c.vocab) for c in B.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
-    monkeypatch.setattr(B, "compare", lambda base, out, command, *a: seen.update(cmd=command))
-    B.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
-            "--out", str(tmp_path)])
-    assert seen["cmd"] == "python plots/lab.py --compare --bos --n-head 2 --attn-scale logn --mlp"
-
-# ---- the README and theory.md quote the committed files -------------------------------------
-
-
-@pytest.mark.parametrize("table", ["compare.md", "long/compare.md", "alternatives.md", "search.md",
-                                   "suite.md", "tuned/compare.md", "search_tuned/search.md", "search_mlp/search.md"] + [
-    os.path.relpath(p, os.path.join(HERE, "plots")) for d in ("depth*", "mlp_norm") for p in sorted(
-        glob.glob(os.path.join(HERE, "plots", d, "**", "compare.md"), recursive=True))])
-def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
-                                                                      monkeypatch, capsys):
-    # Rerun the command named in the table's first line with run_grid answering from the
-    # committed JSON instead of training: the code must write the committed table again.
-    record = load(os.path.join("plots", table.replace(".md", ".json")))
-    runs = {R.Config(**r["config"]): {k: v for k, v in r.items() if k != "config"}
-            for r in record["runs"]}
-    walls = [record["wall_seconds"]]   # the first grid's wall: the record's; a second one's: 0
-    committed = read(os.path.join("plots", table))
-    resumed = re.search(r", (\d+) of them resumed from an interrupted command", committed)
-
-    def from_json(configs, device, averages=None, later=0):
-        if resumed:   # run_grid counts the runs it took from a runs file (--resume)
-            monkeypatch.setattr(B, "RESUMED", int(resumed.group(1)))
-        return [(c, runs[c], 0.0) for c in configs], walls.pop() if walls else 0.0, 2
-    skip_rendering(monkeypatch)
-    monkeypatch.setattr(B, "run_grid", from_json)
-    command = committed.split("`")[1]
-    B.main(shlex.split(command)[2:] + ["--out", str(tmp_path)])
-    assert (tmp_path / os.path.basename(table)).read_text(encoding="utf-8") == committed
+    # count; imported (tests, notebooks), the file changes nothing.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    runpy.run_path(os.path.join(HERE, path), run_name="imported")
+    assert "OMP_NUM_THREADS" not in os.environ
+    monkeypatch.setattr("sys.argv", [path, "--help"])
+    for preset, want in ((None, "1"), ("3", "3")):
+        if preset:
+            monkeypatch.setenv("OMP_NUM_THREADS", preset)
+        with pytest.raises(SystemExit):
+            runpy.run_path(os.path.join(HERE, path), run_name="__main__")
+        assert os.environ["OMP_NUM_THREADS"] == want
 
 
 def test_the_reference_is_800_lines_part_1_400_and_never_asks_which_task_it_runs():
@@ -2280,520 +1554,6 @@ def test_the_reference_is_800_lines_part_1_400_and_never_asks_which_task_it_runs
     import ast   # and no function of the reference is longer than 50 lines
     assert max(f.end_lineno - f.lineno + 1 for f in ast.walk(ast.parse("\n".join(lines)))
                if isinstance(f, ast.FunctionDef)) <= 50
-
-
-def flat(name):
-    return " ".join(read(name).split())   # line breaks do not matter
-
-
-def cell(summary, regime, norm, avg="ema", column="s = 24 (2 L)", over=mean):
-    """One cell of a grid's summary: the mean over its seeds (over=list: each seed's value)."""
-    return over(summary[regime][norm][avg][column])
-
-
-def assert_quoted(fragments, name="plots/README.md"):
-    text = flat(name)
-    for fragment in fragments:
-        assert fragment in text, fragment
-
-
-def test_the_readme_front_door_is_short_and_in_order():
-    readme = read("README.md")
-    opening = readme.split("\n## ", 1)[0].split("\n", 1)[1]
-    assert len(opening.split()) <= 120
-    numbers = re.findall(r"(?<![\w.])\d+\.\d+|\d+ %", re.sub(r"\(https?://[^)]*\)|arXiv [\d.]+", "",
-                                                            opening))
-    assert len(numbers) <= 4, numbers
-    headings = [line for line in readme.splitlines() if line.startswith("## ")]
-    assert headings == ["## The task, by hand", "## The idea", "## Run it", "## Findings",
-                        "## Install", "## Tests and flags", "## Exercises", "## Answers",
-                        "## Using the pieces", "## Citation"]
-    assert readme.splitlines().index("## Exercises") <= 140
-    findings = readme.split("\n## Findings", 1)[1].split("\n## ", 1)[0]
-    assert len([line for line in findings.splitlines() if line.startswith("| ")]) - 2 <= 12
-
-
-def test_every_relative_link_in_the_three_documents_resolves():
-
-    def slug(heading):   # GitHub's anchors: lower case, punctuation dropped, spaces to hyphens
-        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-    for doc in ("README.md", "theory.md", "plots/README.md"):
-        for target in re.findall(r"\]\(([^)\s]+)\)", read(doc)):
-            if target.startswith(("http://", "https://")):
-                continue
-            path, _, anchor = target.partition("#")
-            path = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
-            assert os.path.exists(os.path.join(HERE, path)), (doc, target)
-            if anchor:
-                headings = [slug(line.lstrip("#")) for line in read(path).splitlines()
-                            if line.startswith("#")]
-                assert anchor in headings, (doc, target)
-
-
-def test_notebook_tables_are_copied_from_the_generated_tables():
-    generated = "".join(read(os.path.relpath(f, HERE)) for f in
-                        glob.glob(os.path.join(HERE, "plots", "**", "*.md"), recursive=True)
-                        if not f.endswith("README.md"))
-    rows = [line for line in read("plots/README.md").splitlines()
-            if re.match(r"\| (`|placement|Dyck|Shuffle|language|layers|rival|\d+ \|)", line)]
-    assert len(rows) >= 20
-    for row in rows:
-        assert row in generated, row
-
-
-def test_the_laws_in_the_trained_models_match_plots_compare_json():
-    # Lab notebook, section 1 (and the README's idea): minima and maxima over all 31 lengths and
-    # all 3 seeds of the EMA weights, sampled targets, constant rate.
-    record, v, sc = load("plots/compare.json"), 32, "sampled, constant"
-    runs = [r for r in record["runs"] if r["config"]["targets"] == "sampled"
-            and r["config"]["lr_schedule"] == "constant"]
-    ema = lambda n: [r["ema"] for r in runs if r["config"]["norm"] == n]  # noqa: E731
-    gap_s = [g * s for m in ema("pre") for s, g in enumerate(m["logit_gap"], 1)]
-    shape = [g * math.sqrt(s * (v - s)) / v for m in ema("post")
-             for s, g in enumerate(m["logit_gap"], 1)]
-    entropy = {n: max(abs(h - math.log(s)) for m in ema(n)
-                      for s, h in enumerate(m["attn_entropy"], 1)) for n in R.NORMS}
-    assert max(gap_s) / min(gap_s) < 1.01 and max(shape) / ((max(shape) + min(shape)) / 2) < 1.03
-    assert max(entropy[n] for n in ("pre", "pre-final", "post")) < 0.002
-    seeds = {n: [mean(c) for c in zip(*[m["logit_gap"] for m in ema(n)])] for n in ("pre", "post")}
-    assert_quoted([f"its gap falls from {seeds['pre'][0]:.2f} at s = 1 to {seeds['pre'][30]:.2f} at "
-                   f"s = 31 (3-seed means)", f"trained, it never falls below {min(seeds['post']):.2f}",
-                   f"`post-residual` up to {entropy['post-residual']:.3f} below"], "README.md")
-    gap = {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs if r["config"]["seed"] == 0}
-    pre, post = gap["pre"], gap["post"]
-    # the trained delta predicts the error: pi(s) with each seed's mean gap x s
-    predicted = [[s / (s + (v - s) * math.exp(sum(g * t for t, g in enumerate(m["logit_gap"], 1))
-                                              / 31 / s)) for s in range(1, 32)] for m in ema("pre")]
-    measured, at = [m["tvd"] for m in ema("pre")], lambda curves, s: mean([c[s - 1] for c in curves])
-    beyond = lambda curves: sum(at(curves, s) for s in range(13, 32)) / 19  # noqa: E731
-    order = ("post", "pre-final", "post-residual", "pre")
-    means = [cell(record["summary"], sc, n, column="mean, s = 13..31") for n in order]
-    at_2l = [cell(record["summary"], sc, n) for n in order]
-    assert means == sorted(means) and at_2l == sorted(at_2l)
-    assert_quoted([
-        f"gap × s between {min(gap_s):.2f} and {max(gap_s):.2f} over $s = 1..31$, constant to "
-        "within 1 %",
-        f"between {min(shape):.3f} and {max(shape):.3f} over $s = 1..31$ (within ±3 %",
-        f"`post-residual`: up to {entropy['post-residual']:.3f} nats below",
-        f"seed 0: gap {pre[0]:.2f} at $s = 1$, {pre[11]:.2f} at $s = 12$, {pre[30]:.2f} at $s = 31$",
-        f"seed 0: {post[0]:.2f} at $s = 1$, {post[11]:.2f} at $s = 12$, {post[30]:.2f} at $s = 31$, "
-        f"never below {min(post):.2f}",
-        f"$\\pi(s)$ gives {at(predicted, 31):.3f} at $s = 31$ and {beyond(predicted):.3f} over "
-        f"$s = 13..31$; the models measure {at(measured, 31):.3f} and {beyond(measured):.3f}",
-        "mean TVD over $s = 13..31$: " + ", ".join(f"{x:.3f}" for x in means) + "; at 2 L: "
-        + ", ".join(f"{x:.4f}" for x in at_2l),
-        f"the grid itself took {record['wall_seconds']:.0f} s"])
-    summary, train, beyond = record["summary"], "training lengths", "mean, s = 13..31"
-    at = lambda norm, avg, col: f"{cell(summary, sc, norm, avg, col):.4f}"  # noqa: E731
-    assert_quoted([f"`post` {at('post', 'raw', train)} \u2192 {at('post', 'ema', train)}",
-                   f"`pre` {at('pre', 'raw', train)} \u2192 {at('pre', 'ema', train)}",
-                   f"s = 13..31: {at('post', 'raw', beyond)} \u2192 {at('post', 'ema', beyond)}",
-                   f"raises `pre`'s ({at('pre', 'raw', beyond)} \u2192 {at('pre', 'ema', beyond)})",
-                   f"all four placements (`post` {at('post', 'bema', beyond)})",
-                   "and is far worse with exact targets, except for `pre`"])
-    # "as in every regime": the EMA raises pre's extrapolation TVD in all four regimes
-    assert all(cell(summary, r, "pre", "ema", beyond) > cell(summary, r, "pre", "raw", beyond)
-               for r in summary)
-    # "BEMA beats the EMA there for all four placements"
-    assert all(cell(summary, sc, n, "bema", beyond) < cell(summary, sc, n, "ema", beyond)
-               for n in R.NORMS)
-    # "and is far worse with exact targets, except for `pre`"
-    for regime in ("exact, constant", "exact, cosine"):
-        ema_bema = {n: (cell(summary, regime, n, "ema", beyond),
-                        cell(summary, regime, n, "bema", beyond)) for n in R.NORMS}
-        assert all(b > 3 * e for n, (e, b) in ema_bema.items() if n != "pre")
-        assert ema_bema["pre"][1] < ema_bema["pre"][0]
-
-
-def test_the_readme_findings_match_their_json():
-    compare, sc, ec = load("plots/compare.json")["summary"], "sampled, constant", "exact, cosine"
-    two_l, lower = {n: cell(compare, sc, n) for n in R.NORMS}, {}
-    # post against pre-final at 2 L: outside seed noise in every regime, and the order flips
-    for regime in compare:
-        post, final = (cell(compare, regime, n, over=list) for n in ("post", "pre-final"))
-        assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
-        assert max(post) < min(final) or max(final) < min(post)
-        lower[regime] = "post" if max(post) < min(final) else "pre-final"
-    assert lower == {"sampled, constant": "post", "sampled, cosine": "post",
-                     "exact, constant": "pre-final", "exact, cosine": "pre-final"}
-    post, final = (cell(compare, "exact, constant", n, over=list) for n in ("post", "pre-final"))
-    sd = math.sqrt((statistics.variance(post) + statistics.variance(final)) / 2)   # pooled
-    assert_quoted(["each regime's order is outside seed noise by that rule", f"constant rate `post` "
-                   f"and `pre-final` are {(mean(post) - mean(final)) / sd:.1f} pooled standard "
-                   f"deviations apart ({mean(post):.4f} against {mean(final):.4f})"])
-    assert all(max(R.NORMS, key=lambda n: cell(compare, r, n)) == "pre" for r in compare)
-    assert all(cell(compare, r, "pre-final") < cell(compare, r, "post") for r in compare if "exa" in r)
-    ratios = [cell(compare, sc, n, "raw", "training lengths")
-              / cell(compare, sc, n, "ema", "training lengths") for n in R.NORMS]
-    assert round(min(ratios)) == 3 and round(max(ratios)) == 6
-    P, A = (load("plots/search.json")["summary"][n]["ema"]["all"] for n in ("pre-final", "pre"))
-    T = load("plots/search_tuned/search.json")["summary"]["pre-final"]["ema"]["all"]
-    tuned, long = load("plots/tuned/compare.json"), load("plots/long/compare.json")["summary"]
-    at_4l = {n: cell(long, sc, n, column="s = 60 (4 L)") for n in ("pre", "pre-final", "post")}
-    assert at_4l["post"] < at_4l["pre-final"] < at_4l["pre"]
-    assert all(cell(long, ec, "pre-final", column=c) < cell(long, ec, n, column=c)
-               for c in long[ec]["pre"]["ema"] for n in ("pre", "post"))
-    bos, plain = (next(line for line in read("plots/alternatives.md").splitlines()
-                       if line.startswith(f"| {name} | EMA 0.999 |")).split(" | ")[3].split(" +- ")[0]
-                  for name in ("pre + BOS", "pre"))
-    suite = [line for line in read("plots/suite.md").splitlines() if "` - `post` |" in line]
-    assert len(suite) == 4 and all(line.endswith("| no |") for line in suite)
-    assert all(line.split(" | ")[3].startswith("+") for line in suite)   # post lowest on average
-    # "outside seed noise": every seed of the lower arm below every seed of the other
-    apart = lambda lo, hi: max(lo) < min(hi)  # noqa: E731
-    tuned_at = {n: cell(tuned["summary"], sc, n, over=list) for n in ("pre-final", "post")}
-    assert apart(tuned_at["pre-final"], tuned_at["post"])
-    seeds_4l = {(r, n): cell(long, r, n, column="s = 60 (4 L)", over=list)
-                for r in (sc, ec) for n in ("pre", "pre-final", "post")}
-    assert apart(seeds_4l[sc, "post"], seeds_4l[sc, "pre-final"])
-    assert apart(seeds_4l[sc, "pre-final"], seeds_4l[sc, "pre"])
-    assert all(apart(seeds_4l[ec, "pre-final"], seeds_4l[ec, n]) for n in ("pre", "post"))
-    alternatives = load("plots/alternatives.json")["runs"]
-    bos_seeds, pre_seeds = ([mean(r["ema"]["tvd"][12:]) for r in alternatives if r["config"]["norm"]
-                            == "pre" and r["config"]["bos"] == b and not r["config"]["dropout"]
-                            and r["config"]["attn_scale"] == "none"] for b in (True, False))
-    assert len(bos_seeds) == len(pre_seeds) == 3 and apart(bos_seeds, pre_seeds)
-    findings = flat("README.md").split("## Findings", 1)[1].split("## Tests and flags", 1)[0]
-    for fragment in [
-            f"at 2 L `pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f}",
-            f"sampled targets ({two_l['post']:.3f} against {two_l['pre-final']:.3f})",
-            "it cuts the training-length TVD 3 to 6 times",
-            f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations",
-            f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
-            f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})",
-            f"`pre-final` ahead of `post` at 2 L ({cell(tuned['summary'], sc, 'pre-final'):.3f} "
-            f"against {cell(tuned['summary'], sc, 'post'):.3f})",
-            f"No detectable difference (median TVD(`pre-final`) / TVD(`post`) {T['median_ratio']:.2f})",
-            f"its interval {T['median_ratio_95'][0]:.2f}–{T['median_ratio_95'][1]:.2f}",
-            f"`post` {at_4l['post']:.2f}, `pre` {at_4l['pre']:.2f}, `pre-final` between",
-            f"a BOS sink helps a little ({bos} against {plain}, mean TVD over s = 13..31)",
-            "no difference is distinguishable from seed noise, not even against `pre`"]:
-        assert fragment in findings, fragment
-    chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
-    seed0 = {(c["norm"], c["lr"]): r["ema"]["tvd"][23] for r in tuned["runs"] for c in [r["config"]]
-             if c["seed"] == 0 and (c["targets"], c["lr_schedule"]) == ("sampled", "constant")}
-    below = [x for (n, lr), x in seed0.items() if n == "post" and lr < chosen["post"]]   # lower rates
-    assert len(below) == 4 and max(below) < seed0["pre-final", chosen["pre-final"]]
-    assert_quoted([f"({min(below):.3f} to {max(below):.3f} against "
-                   f"{seed0['pre-final', chosen['pre-final']]:.3f})"], "README.md")
-    t_post, t_final = ([mean(c) for c in zip(*[   # sampled, constant, at the chosen rate
-        r["ema"]["tvd"] for r in tuned["runs"] if (r["config"]["norm"], r["config"]["lr"],
-        r["config"]["targets"], r["config"]["lr_schedule"]) == (n, chosen[n], "sampled",
-                                                                 "constant")])]
-        for n in ("post", "pre-final"))
-    final, post = (cell(tuned["summary"], sc, n) for n in ("pre-final", "post"))
-    assert_quoted([
-        "The chosen rates differ: " + ", ".join(f"{chosen[n]:g} (`{n}`)"
-                                                for n in ("pre", "pre-final", "post")),
-        f"within a factor {post / final:.2f} ({final:.4f} and {post:.4f}, in `pre-final`'s favour)",
-        f"`post` is below `pre-final` from $s = {tuned['summary'][sc]['crossover']['ema']}$ and at "
-        f"$s = 31$ ({t_post[30]:.3f} against {t_final[30]:.3f})"])
-
-
-STRENGTHS = ("strong", "moderate", "weak", "exploratory")   # the README's scale, strongest first
-
-
-def test_the_findings_table_names_its_columns_and_grades_each_row_on_one_scale():
-    findings = read("README.md").split("\n## Findings", 1)[1].split("\n## ", 1)[0]
-    above, table = findings.split("\n| ", 1)
-    rows = [line.strip("| ").split(" | ") for line in ("| " + table).splitlines() if line]
-    assert rows[0] == ["question", "answer", "evidence", "notebook"] and len(rows) > 3
-    assert all(f"**{word}**: " in above for word in STRENGTHS)   # each defined once, above
-    for question, answer, evidence, link in rows[2:]:
-        assert len(evidence) <= 250, question
-        words = [w for w in STRENGTHS if re.search(rf"\b{w}\b", evidence)]
-        assert len(words) == 1 and evidence.startswith(f"**{words[0]}**: "), question
-        assert link.startswith("[§") and question.endswith("?")
-
-
-def test_no_command_in_the_documents_writes_over_the_committed_plots():
-    # A reader who reruns a command to check it must not overwrite the table it is compared
-    # with: commands write into runs/NAME. The notebook's protocols (paragraphs that open with
-    # **Protocol) were committed before their runs and are quoted as written.
-    for doc in ("README.md", "theory.md", "plots/README.md"):
-        text = " ".join(p for p in read(doc).split("\n\n") if not p.startswith("**Protocol"))
-        text = " ".join(text.split())
-        folders = re.findall(r"--out[ =]([^\s`]+)", text)
-        assert all(f.startswith("runs/") or f == "handout" for f in folders), (doc, folders)
-        assert not re.search(r"\('plots'\)", text), doc   # B.depth_sweep('plots') and the like
-    assert len(re.findall(r"--out runs/", flat("plots/README.md"))) >= 12
-
-
-def test_readme_main_command_output_is_what_plots_metrics_json_holds():
-    m = load("plots/metrics.json")
-    assert m["config"]["norm"] == "post" and m["config"]["ema"] == 0.999   # the main command
-    readme = read("README.md")
-    assert R.format_table(m, m["config"]["train_len"], m["raw"]) in readme
-    s, r = m["summary"], m["raw"]["summary"]
-    assert (f"mean TVD: training lengths {s['tvd_train']:.4f} | extrapolation 13..31 "
-            f"{s['tvd_extrap']:.4f}   (raw weights: {r['tvd_train']:.4f} | "
-            f"{r['tvd_extrap']:.4f})") in readme
-
-
-def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkeypatch):
-    # Notebook section 6 and the README against the grids (P8: depthN/compare.json's 3 seeds, [:3])
-    skip_rendering(monkeypatch)
-    B.depth_sweep(os.path.join(HERE, "plots"), str(tmp_path))
-    assert read(tmp_path / "depth.md") == (table := read("plots/depth.md"))
-    norms, sc, ec = ("pre", "pre-final", "post"), "sampled, constant", "exact, cosine"
-    walls, runs, ratios, paired, ats, outside = {}, {}, [], {}, {}, 0
-    for d in (1, 2, 3, 4):
-        walls[d] = (record := load(f"plots/depth{d}/compare.json"))["wall_seconds"]
-        more = glob.glob(os.path.join(HERE, f"plots/depth{d}/*/compare.json"))
-        for r in record["runs"] + sum((load(p)["runs"] for p in sorted(more)), []):
-            key = "{norm}, {targets}, {lr_schedule}".format(**r["config"])
-            assert r in record["runs"] or r["config"]["lr"] == record["chosen_lr"][key]
-            if r["config"]["lr"] == record["chosen_lr"][key]:
-                runs.setdefault((d, key), []).append(r["ema"] | {"seed": r["config"]["seed"]})
-    for d, regime in itertools.product((1, 2, 3, 4), (sc, ec)):   # depth.md's rows, seeds paired
-        rs = {n: runs[d, f"{n}, {regime}"] for n in norms}
-        assert all([m["seed"] for m in x] == list(range(len(x))) for x in rs.values())
-        ats[d, regime] = at = {n: [m["tvd"][23] for m in x] for n, x in rs.items()}
-        fit = {n: mean([mean(m["tvd"][:12]) for m in x]) for n, x in rs.items()}
-        ratios.append(mean(at[nxt := min(norms[1:], key=lambda n: mean(at[n]))]) / mean(at["pre"]))
-        paired[d, regime] = B.mean_interval([a - b for a, b in zip(at["pre"], at[nxt])])
-        assert mean(at["pre"]) < mean(at[nxt]) and paired[d, regime][2] < 0   # outside, paired
-        outside += (apart := all(max(at["pre"]) < min(at[n]) for n in norms[1:]))
-        assert (f"| {d} | {regime} | {len(at['pre'])} | " + " | ".join(
-            f"{fit[n]:.4f} / {mean(at[n]):.4f} ({min(at[n]):.3f} - {max(at[n]):.3f})" for n in norms)
-            + " | `pre` | {} | {:+.3f} ({:+.3f} to {:+.3f}) |".format(
-                "outside" if apart else "within", *paired[d, regime])) in table
-    dev = {(d, key, i): [mean(c) for c in zip(*[[h - u for h, u in zip(m.get(   # mean of 3 seeds
-        f"attn_entropy_layer{i}", m["attn_entropy"]), m["log_positions"])] for m in ms[:3]])]
-           for (d, key), ms in runs.items() for i in range(1, d + 1)}
-    assert all(-min(v) <= (0.07 if d == 1 else 0.15) for (d, _, i), v in dev.items() if i == 1)
-    focus = {k: max(-dev[(*k, i)][23] for i in range(2, k[0] + 1)) for k in runs if k[0] > 1}
-    spared = [focus.pop((d, "pre-final, " + sc)) for d in (2, 4)]   # P10's exception: not at 3
-    assert min(focus.values()) > 0.5 and max(spared) <= 0.08
-    assert round(max(-min(v) for (d, _, i), v in dev.items() if i > 1 and d in (2, 4)), 1) == 3.4
-    # Not at every length: sampled, pre-final below pre; exact, s = 31: post lowest at 1-3 layers
-    curve = lambda d, key, k=6: [mean(c) for c in zip(*[m["tvd"] for m in runs[d, key][:k]])]  # noqa
-    for d, k, below in ((1, 3, range(1, 20)), (2, 3, range(1, 15)), (4, 3, range(2, 21)),
-                        (4, 6, [*range(2, 6), *range(15, 20)])):   # P8 on 3 seeds, P10 on 6
-        pre, final = (curve(d, f"{n}, {sc}", k) for n in ("pre", "pre-final"))
-        assert [s for s in range(1, 32) if final[s - 1] < pre[s - 1]] == list(below)
-    assert all(min(norms, key=lambda n: curve(d, f"{n}, {ec}")[30]) == "post" for d in (1, 2, 3))
-    A, s31 = ats[4, sc], {n: [m["tvd"][30] for m in runs[1, f"{n}, {sc}"]] for n in norms}
-    first = lambda k: B.mean_interval([a - b for a, b in zip(A["pre"][:k], A["pre-final"])])  # noqa
-    four = [", ".join(f"{mean(c[:12]):.4f} / {c[23]:.4f}{f' (`{n}`)' * (r == sc)}" for n in norms
-                      for c in [curve(4, f"{n}, {r}", 3)]) for r in (sc, ec)]   # P8: 3 seeds
-    post = sorted(mean(m["tvd"][:12]) for m in runs[4, "post, " + ec])   # two of six fail to fit
-    seconds = [load(p)["wall_seconds"] for p in more]   # depth4's folders
-    t = lambda x: f"{x[0]:+.3f} ({x[1]:+.3f} to {x[2]:+.3f})".replace("-", "−")  # noqa: E731
-    ti = lambda x: "is " + t(x).replace(" (", ", 95 % t interval ").rstrip(")") + ", excluding 0"
-    assert_quoted([
-        *(f"--out runs/depth{d}`: 30 runs, {walls[d] / 60:.0f} min" for d in (1, 2, 3)),
-        f"--out runs/depth4`: 30 runs, {walls[4] / 3600:.1f} h", "noise in 7 of the 8 (the eighth",
-        f"{four[0]} with sampled targets and a constant rate; {four[1]} with exact targets",
-        f"The 30 runs took {walls[4] / 3600:.1f} hours", "is " + t(paired[4, ec]),
-        f"by {min(ratios):.2f} to {max(ratios):.2f} times the next placement",
-        f"{min(seconds):.0f} to {max(seconds):.0f} s of wall each",
-        "(on the first three seeds it was " + t(first(3)).split("(")[1],
-        ti(first(5)), ti(paired[4, sc]), f"({max(A['pre'][:5]):.3f} against "
-        f"{min(A['pre-final'][:5]):.3f}): outside by both rules", f"(`pre`'s seed 5, "
-        f"{A['pre'][5]:.3f}, is above `pre-final`'s best, {min(A['pre-final']):.3f})",
-        f"(`post`'s worst seed {max(s31['post']):.4f}, `pre-final`'s best "
-        f"{min(s31['pre-final']):.4f})", f"({mean(s31['post']):.4f} against {mean(s31['pre-final']):.4f})",
-        f"worst ({mean(curve(1, 'pre, ' + sc)[:12]):.4f} against "
-        f"{mean(curve(1, 'pre-final, ' + sc)[:12]):.4f};",
-        "layers 2–4 focus, down to 3.4 nats below $\\log s$, except with `pre-final` and "
-        "sampled targets, where every layer stays within 0.11 nats"])
-    assert outside == 7 and len(seconds) == 6 and post[4] > 5 * post[3] and len(post) == 6
-    at_rate, best = {}, {}   # seed 0 at every rate (depth.md's second table), from the JSON
-    for d, r in ((d, r) for d in (1, 2, 3, 4) for r in load(f"plots/depth{d}/compare.json")["runs"]):
-        if (c := r["config"])["seed"] == 0:
-            at_rate.setdefault((d, f"{c['targets']}, {c['lr_schedule']}", c["lr"]), {})[
-                c["norm"]] = x = r["ema"]["tvd"][23]
-            best.setdefault((d, c["targets"]), {})[c["norm"]] = min(x, best.get(
-                (d, c["targets"]), {}).get(c["norm"], 1))
-    lowest = Counter(min(t, key=t.get) for t in at_rate.values())
-    oracle = [min(t, key=t.get) for t in best.values()]
-    assert len(at_rate) == 24 and oracle.count("pre") == 7 and best[1, "sampled"]["post"] < best[
-        1, "sampled"]["pre"] and "| 1 | sampled, constant | 0.001 | 0.2821 | 0.3235 | 0.1317 |" in table
-    assert_quoted([f"`pre` has the lowest TVD at 2 L in {lowest['pre']} of the 24 cases", f"`post` in "
-                   f"{lowest['post']} and `pre-final` in {lowest['pre-final']}", "`pre` is lowest in 7 of "
-                   f"the 8", f"({best[1, 'sampled']['post']:.4f}) is below `pre`'s lowest "
-                   f"({best[1, 'sampled']['pre']:.4f}, at its chosen 0.00316)"])
-    assert max(A["pre"][:5]) < min(A["pre-final"][:5]) and max(s31["post"]) < min(s31["pre-final"])
-    assert_quoted([f"by {min(ratios):.2f} to {max(ratios):.2f} times the next", f"`pre` is lowest in "
-                   f"{lowest['pre']} of the 24 (depth, regime, rate) cases"], "README.md")
-
-
-def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_path, monkeypatch):
-    # P11's ablation: pre with its MLP norm (plots/depthN) and without (plots/mlp_norm/layersN)
-    skip_rendering(monkeypatch)
-    B.mlp_norm_table(os.path.join(HERE, "plots"), str(tmp_path))
-    assert read(tmp_path / "mlp_norm.md") == read("plots/mlp_norm/mlp_norm.md")
-    arm, rows = {}, []
-    for d, normed, path in [(d, n, p) for d in (1, 2) for n, p in (
-            ("with", f"plots/depth{d}"), ("without", f"plots/mlp_norm/layers{d}"))]:
-        rec = load(path + "/compare.json")
-        for r in rec["runs"]:
-            key = "{norm}, {targets}, {lr_schedule}".format(**(c := r["config"]))
-            if c["norm"] == "pre" and c["lr"] == rec["chosen_lr"][key]:
-                arm.setdefault((d, key[5:], normed), []).append(r["ema"])
-    fit = {k: mean([mean(m["tvd"][:12]) for m in ms]) for k, ms in arm.items()}
-    at = {k: [m["tvd"][23] for m in ms] for k, ms in arm.items()}
-    gs = {k: [mean([m["logit_gap"][s - 1] * s for m in ms]) for s in (12, 24)] for k, ms in arm.items()}
-    rho = {k: g[1] / g[0] for k, g in gs.items()}
-    flat_s, ex = ([mean([m["logit_gap"][s - 1] * s for m in arm[(1, r, "without")]]) for s in range(1, 32)]
-                  for r in ("sampled, constant", "exact, cosine"))
-    flat_s = (min(flat_s), max(flat_s))
-    for d, r in itertools.product((1, 2), ("sampled, constant", "exact, cosine")):
-        w, wo = (d, r, "with"), (d, r, "without")
-        assert len(at[w]) == len(at[wo]) == 3 and max(at[w]) < min(at[wo])   # outside seed noise
-        rows += [f"| {d} | {r} | {'yes' if k[2] == 'with' else 'no'} | {fit[k]:.4f} / {mean(at[k]):.4f} "
-                 f"({min(at[k]):.3f} - {max(at[k]):.3f}) | outside" for k in (w, wo)]
-    worse = [k for k in fit if fit[k] > 2 * fit[(*k[:2], "with" if k[2] == "without" else "without")]]
-    one, two = (1, "sampled, constant"), (2, "exact, cosine")
-    assert worse == [(*two, "without")] and rho[(*one, "with")] > 1.25 and rho[(1, "exact, cosine", "with")] > 1.25
-    assert all(0.8 <= rho[(1, r, "without")] <= 1.25 for r in ("sampled, constant", "exact, cosine"))
-    assert_quoted(rows + [
-        f"(training TVD {fit[(*two, 'without')]:.4f} against {fit[(*two, 'with')]:.4f}, "
-        f"{fit[(*two, 'without')] / fit[(*two, 'with')]:.1f} times)",
-        f"{mean(at[(*one, 'without')]) / mean(at[(*one, 'with')]):.1f} times "
-        f"({mean(at[(*one, 'without')]):.4f})", f"(at one layer, sampled: {min(at[(*one, 'without')]):.3f} "
-        f"to {max(at[(*one, 'without')]):.3f} against {min(at[(*one, 'with')]):.3f} to "
-        f"{max(at[(*one, 'with')]):.3f})", f"exact targets {mean(at[(1, 'exact, cosine', 'without')]):.4f}",
-        "is flat with sampled targets ({:.2f} to {:.2f} over s = 1 to 31".format(*flat_s),
-        f"falls by {100 * (1 - ex[-1] / ex[0]):.0f} % ({ex[0]:.2f} at s = 1 to\n{ex[-1]:.2f} at s = 31)".replace("\n", " "),
-        f"{gs[(*one, 'with')][0] / 12:.2f} at\nL to "
-        f"{gs[(*one, 'with')][1] / 24:.2f} at 2 L".replace("\n", " "), f"is\nsqrt(24 / 8) / sqrt(12 / 20) = "
-        f"{math.sqrt(24 / 8) / math.sqrt(12 / 20):.2f}".replace("\n", " "),
-        *(f"10 runs, {load(f'plots/mlp_norm/layers{d}/compare.json')['wall_seconds']:.0f} s" for d in (1, 2))])
-    assert f"{gs[(*one, 'without')][1]:.2f}" == f"{gs[(*one, 'without')][0]:.2f}"   # flat: 1/s
-    assert_quoted([f"rises from {mean(at[(*one, 'with')]):.3f} to {mean(at[(*one, 'without')]):.3f}",
-                   f"with exact ones it falls {100 * (1 - ex[-1] / ex[0]):.0f} %"], "README.md")
-    q = {k: f"{v:.2f}" for k, v in rho.items()}
-    assert_quoted([f"{q[1, 'sampled, constant', 'with']} and {q[1, 'exact, cosine', 'with']} with the norm, "
-                   f"{q[1, 'sampled, constant', 'without']} and {q[1, 'exact, cosine', 'without']} without",
-                   f"({q[2, 'sampled, constant', 'with']}, {q[2, 'exact, cosine', 'with']}); without it "
-                   f"{q[2, 'sampled, constant', 'without']} with sampled targets",
-                   f"and {q[2, 'exact, cosine', 'without']} with exact targets"])
-
-
-SPLITS = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate", "batch": "batch",
-          "steps": "steps"}   # search_losses' settings, as the notebook names them
-
-
-def test_notebook_search_numbers_match_plots_search_json():
-    record = load("plots/search.json")
-    h, configs = record["summary"], [R.Config(**r["config"]) for r in record["runs"]]
-    assert len(record["runs"]) == 3 * B.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == B.SEARCH_N
-    P, Q, A = h["pre-final"]["ema"]["all"], h["pre-final"]["raw"]["all"], h["pre"]["ema"]["all"]
-    losses = B.search_losses([configs[3 * i:3 * i + 3] for i in range(B.SEARCH_N)],
-                             dict(zip(configs, record["runs"])))
-    splits = ", ".join(f"{SPLITS[row[0]]} {row[2].split(' of ')[0]} | {row[3].split(' of ')[0]}"
-                       for row in (line.strip("| ").split(" | ") for line in losses[2:]))
-    assert_quoted([
-            f"`python plots/lab.py --search {B.SEARCH_N} --out runs/search`",
-            f"won {P['post_wins']} of {P['n']} (95 % interval {P['win_rate_95'][0]:.2f} - "
-            f"{P['win_rate_95'][1]:.2f}; sign test p = {P['sign_p']:.2f}, Wilcoxon p = "
-            f"{P['wilcoxon_p']:.2f}; median ratio {P['median_ratio']:.2f}, interval "
-            f"{P['median_ratio_95'][0]:.2f} - {P['median_ratio_95'][1]:.2f})",
-            f"to at most {100 * (P['median_ratio_95'][1] - 1):.1f} % in `post`'s favour and at most "
-            f"{100 * (1 - P['median_ratio_95'][0]):.0f} % against it",
-            f"With raw weights it won {Q['post_wins']} of {Q['n']} (p = {Q['sign_p']:.2f}; median "
-            f"ratio {Q['median_ratio']:.2f})",
-            f"than `pre` in {A['post_wins']} of {A['n']} configurations (median ratio "
-            f"{A['median_ratio']:.2f})",
-            splits.replace("$v$ 7 | 10", "$v$ 7 | 10 of 20", 1)])   # all six
-
-
-def test_notebook_and_readme_numbers_match_the_search_with_mlps():
-    # P11 items 4-5: plots/search_mlp, 30 configurations x 4 arms, drawn as search_configs draws
-    record = load("plots/search_mlp/search.json")
-    configs = [R.Config(**r["config"]) for r in record["runs"]]
-    assert configs == [c for g in B.search_configs(30, 0, None, True) for c in g]
-    h, groups = record["summary"], [configs[4 * i:4 * i + 4] for i in range(30)]
-    results = {c: r for c, r in zip(configs, record["runs"])}
-    P, S, N = (h[a]["ema"]["all"] for a in ("pre-final", "post", B.NO_LN2))
-    pairs = B.search_pairs(groups, results, B.NO_LN2, "ema")   # (log of TVD ratio, worse training TVD)
-    low = Counter(min(g, key=lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]) for g in groups)
-    low = Counter(B.arm(c) for c in low.elements())
-    f = lambda st: f"won {st['pre_wins']} of {st['n']}"  # noqa: E731
-    assert_quoted([f"{f(P)} (95 % interval {P['win_rate_95'][0]:.2f} - {P['win_rate_95'][1]:.2f}; sign test "
-                   f"p = {P['sign_p']:.2g}, Wilcoxon p = {P['wilcoxon_p']:.2g}; median ratio {P['median_ratio']:.2f}, "
-                   f"interval {P['median_ratio_95'][0]:.2f} - {P['median_ratio_95'][1]:.2f})",
-                   f"{f(S)} (p = {S['sign_p']:.2g}; median ratio {S['median_ratio']:.2f}",
-                   f"{f(N)} (p = {N['sign_p']:.2g}; median ratio {N['median_ratio']:.2f}",
-                   f"`pre` in {low['pre']}, `pre-final` in {low['pre-final']}, `post` in {low['post']}, "
-                   f"`pre, no MLP norm` in {low[B.NO_LN2]} of 30", f"{record['wall_seconds']:.0f} s of wall time",
-                   "`pre` against `pre-final`: below 0.05, {} of {} (p = {:.2f}; median ratio {:.2f}); below 0.1, {} of {} "
-                   "({:.2f}); below 0.2, {} of {} ({:.2f})".format(*sum(([g["pre_wins"], g["n"]] + [g["sign_p"]] * (
-                       t == 0.05) + [g["median_ratio"]] for t in (0.05, 0.1, 0.2) for g in [h["pre-final"]["ema"][
-                           f"train TVD < {t}"]]), [])),
-                   f"higher in {N['pre_wins']} of 30 configurations with EMA weights ({h[B.NO_LN2]['raw']['all']['pre_wins']}"
-                   f" of 30\nwith raw weights), by a median {100 * (N['median_ratio'] - 1):.0f} %".replace("\n", " "),
-                   f"in 3 the\ndifference is under 2 % and in 8 under 5 %, and in one the arm without the norm diverged\n"
-                   f"(training TVD {max(t for _, t in pairs):.3f})".replace("\n", " ")])
-    assert [sum(math.exp(x) < c for x, _ in pairs) for c in (1.02, 1.05)] == [3, 8]
-    assert_quoted([f"beats `pre-final` in {P['pre_wins']} of 30 (median ratio {P['median_ratio']:.2f}) and `post` in "
-                   f"{S['pre_wins']}", f"in {N['pre_wins']} of 30 (median ratio {N['median_ratio']:.2f})"], "README.md")
-
-
-def test_notebook_tuned_search_numbers_match_plots_search_tuned():
-    # Lab notebook, section 5: 24 configurations, each arm at each of 3 rates (every run kept),
-    # each arm at its rate with the lowest training-length TVD; the README quotes the endpoint.
-    record = load("plots/search_tuned/search.json")
-    P, Q = (record["summary"]["pre-final"][avg]["all"] for avg in ("ema", "raw"))
-    lrs = (0.001, 0.00316, 0.01)
-    configs = [[R.Config(**r["config"]) for r in record["runs"][6 * i:6 * i + 6]]
-               for i in range(24)]
-    assert [c for group in configs for c in group] == [
-        c for group in B.search_configs(24, 1000, lrs) for c in group]   # every run is there
-    results = {R.Config(**r["config"]): r for r in record["runs"]}
-    best = [B.search_arms(group, results) for group in configs]
-    chosen = Counter((arm, c.lr) for b in best for arm, (c, _) in b.items())
-    train = lambda arm, b: R.summarize(b[arm][1]["ema"], b[arm][0].train_len)["tvd_train"]  # noqa
-    worse = sum(train("post", b) > train("pre-final", b) for b in best)
-    at_2l = lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]  # noqa: E731
-    pairs = lambda lr: [(pf, po) for group in configs for pf in group for po in group  # noqa
-                        if pf.lr == po.lr == lr and (pf.norm, po.norm) == ("pre-final", "post")]
-    shared = [B.search_stats([(math.log(at_2l(pf) / at_2l(po)), 0) for pf, po in pairs(lr)])
-              for lr in lrs]
-    best_at_2l = Counter(min((c for c in group if c.norm == "post"), key=at_2l).lr
-                         for group in configs)
-    splits = [line.strip("| ").split(" | ") for line in B.search_losses(configs, results)[2:]]
-    fit = [R.summarize(results[po]["ema"], po.train_len)["tvd_train"]
-           / R.summarize(results[pf]["ema"], pf.train_len)["tvd_train"] for pf, po in pairs(0.001)]
-    assert_quoted([
-            "`python plots/lab.py --search 24 --lrs 0.001,0.00316,0.01 --seed 1000 --out "
-            "runs/search_tuned`",
-            f"144 runs, {record['wall_seconds'] / 3600:.1f} h (interrupted and resumed with `--resume`)",
-            f"at 0.001 `post` is lower in {shared[0]['post_wins']} of 24 but also fits the training "
-            f"lengths worse in {sum(r > 1 for r in fit)} of 24 (median training-TVD ratio "
-            f"{sorted(fit)[11] / 2 + sorted(fit)[12] / 2:.2f}); at 0.01 it is lower in "
-            f"{shared[2]['post_wins']} of 24 (median ratio {shared[2]['median_ratio']:.2f})",
-            f"`pre-final` in {P['post_wins']} of 24 (95 % Wilson interval "
-            f"{P['win_rate_95'][0]:.2f}\u2013{P['win_rate_95'][1]:.2f}); sign test $p = "
-            f"{P['sign_p']:.2f}$, Wilcoxon $p = {P['wilcoxon_p']:.2f}$; median ratio `pre-final` / "
-            f"`post` {P['median_ratio']:.2f} (95 % bootstrap interval "
-            f"{P['median_ratio_95'][0]:.2f}\u2013{P['median_ratio_95'][1]:.2f})",
-            f"below in {Q['post_wins']} of 24 (sign test $p = {Q['sign_p']:.2g}$, Wilcoxon $p = "
-            f"{Q['wilcoxon_p']:.2g}$, median ratio {Q['median_ratio']:.2f}, interval "
-            f"{Q['median_ratio_95'][0]:.2f}\u2013{Q['median_ratio_95'][1]:.2f})",
-            f"worse in {worse} of 24", f"(`pre-final` 0.001 in {chosen['pre-final', 0.001]} of 24, "
-            f"`post` 0.01 in {chosen['post', 0.01]})",
-            f"`post` is below `pre-final` at $2L$ in {shared[0]['post_wins']} of 24 at 0.001 "
-            f"(median ratio {shared[0]['median_ratio']:.2f}), {shared[1]['post_wins']} of 24 at 0.00316 "
-            f"({shared[1]['median_ratio']:.2f}) and {shared[2]['post_wins']} of 24 at 0.01 "
-            f"({shared[2]['median_ratio']:.2f}), and `post`'s rate with the lowest TVD at $2L$ is "
-            f"0.001 in {best_at_2l[0.001]} of 24",
-            ", ".join(f"{SPLITS[name]} {low} | {high}" for name, _, low, high in splits
-                      if name != "lr")])   # the rows: v, L / v, heads, lr, batch, steps
-    assert chosen["post", 0.01] > max(chosen["post", 0.001], chosen["post", 0.00316])
-    assert [row[3] for row in splits if row[0] == "lr"] == ["-"]   # "it splits nothing"
-
-
-def test_readme_gives_the_number_of_tests():
-    # Counted from this file: each test function, times the values of each of its parametrizes.
-    n = 0
-    for name, f in globals().items():
-        if name.startswith("test_") and callable(f):
-            n += math.prod(len(m.args[1]) for m in getattr(f, "pytestmark", [])
-                           if m.name == "parametrize")
-    assert f"`python -m pytest -q` runs {n} tests" in flat("README.md")
 
 
 def test_exercise_commands_still_run(tmp_path, capsys, monkeypatch):
