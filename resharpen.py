@@ -59,13 +59,12 @@ class Config:
     bos: bool = False         # prepend a beginning-of-sequence token (a possible sink)
     dropout: float = 0.0      # on the attention weights and on each block's outputs
     attn_scale: str = "none"  # a key of ATTENTIONS; plots/lab.py adds 'logn'
-    bema: bool = False        # average with BEMA instead of the EMA
 
 
 NORMS = {
     "pre": "x + Attn(LN(x)), no final norm: logits read the raw residual stream",
     "pre-final": "x + Attn(LN(x)), then LN before the unembedding (GPT-2)",
-    "post": "x + LN(Attn(x)): the norm on the attention output (resharpens; --post-norm)",
+    "post": "x + LN(Attn(x)): the norm on the attention output (resharpens)",
     "post-residual": "LN(x + Attn(x)): Vaswani et al. 2017, the norm after the residual sum",
 }
 EVAL_SEED = 1234    # the evaluation inputs never change with --seed or the model
@@ -431,8 +430,11 @@ def load_checkpoint(path, raw=False, device="cpu"):
         what = "a torch file without a resharpen.py config and weights"
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
+        ema = ckpt.get("ema", [])
+        if len(ema) not in (0, len(list(model.parameters()))):
+            raise ValueError   # an average of only some of the weights
         with torch.no_grad():
-            for p, a in zip(model.parameters(), [] if raw else ckpt.get("ema", [])):
+            for p, a in zip(model.parameters(), [] if raw else ema):
                 p.copy_(a)
     except Exception:   # a file of another kind can fail anywhere in torch.load
         raise ValueError(f"{path} is not a resharpen.py checkpoint: {what}") from None
@@ -663,11 +665,11 @@ LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_hea
 MEMORY_LIMIT = 8 * 2**30   # bytes the runs of a command may hold at once (peak_memory)
 
 
-def build_parser(flags=FLAGS, exclusive=({"--norm", "--post-norm"},), doc=__doc__):
+def build_parser(flags=FLAGS, exclusive=({"--norm", "--post-norm"},), doc=__doc__, norm="--norm"):
     """Every flag defaults to None: the checks see which were given; Config fills the rest."""
     p = argparse.ArgumentParser(allow_abbrev=False, description=doc.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="where the LayerNorm sits (--norm):\n" + "\n".join(
+                                epilog=f"where the LayerNorm sits ({norm}):\n" + "\n".join(
                                     f"  {k:14s} {v}" for k, v in NORMS.items()))
     p.error = lambda msg: p.exit(2, f"{p.prog}: error: {msg}\n")   # one line naming the flag
     groups = [(names, p.add_mutually_exclusive_group()) for names in exclusive]
@@ -697,7 +699,8 @@ def peak_memory(cfg, n_eval=None):
 def check_ranges(args, bad, limits=LIMITS):
     for name, (lo, hi) in limits.items():
         if getattr(args, name, None) is not None and not lo <= getattr(args, name) <= hi:
-            bad(f"--{name.replace('_', '-')} must be in {lo:g} .. {hi:g}, got {getattr(args, name)}")
+            bad(f"--{name.replace('_', '-')} must be in {lo:{'g' * isinstance(lo, float)}} .. "
+                f"{hi:{'g' * isinstance(hi, float)}}, got {getattr(args, name)}")
 
 
 def check_model(runs, workers, bad, n_eval=None):
@@ -717,7 +720,11 @@ def check_model(runs, workers, bad, n_eval=None):
 
 
 def check_out(out, bad, writes=(".png", ".json", ".md", ".jsonl")):
-    """--out: no folder where a file goes; written once now, under a name no user file has."""
+    """--out (None: runs): no folder where a file goes; written once now, under a name no user file
+    has."""
+    if out == "":
+        bad("--out '': give a folder name, such as runs")
+    out = out or "runs"
     path = os.path.abspath(out)
     if clash := [f for f in sorted(os.listdir(path)) if f.endswith(writes) and
                  os.path.isdir(os.path.join(path, f))] if os.path.isdir(path) else []:
@@ -736,21 +743,19 @@ def probe(path, name, flag, bad):
 
 def check_args(args, parser):
     """Refuse bad input before training (exit 2, one line naming the flag); returns the Config."""
-    bad, out = parser.error, os.path.abspath(args.out or "runs")
+    bad = parser.error
     cfg = Config(**{k: v for k, v in vars(args).items()
                     if v is not None and k in Config.__dataclass_fields__})
     check_ranges(args, bad)
     check_model([cfg], 1, bad)
     if cfg.train_len > cfg.vocab - 1:
         bad(f"--train-len must be at most {cfg.vocab - 1} (v - 1), got {cfg.train_len}")
-    if args.save is not None and (not args.save or args.save.endswith(("/", os.sep)) or
-                                  os.path.lexists(args.save) or os.path.abspath(args.save) in
-                                  [out] + [os.path.join(out, f) for f in RUN_FILES]):
-        bad(f"--save {args.save!r}: a new file name for the checkpoint, such as runs/model.pt; not "
-            "an existing file or folder, nor a file the run writes")
+    if args.save is not None and (not args.save.endswith(".pt") or os.path.lexists(args.save)):
+        bad(f"--save {args.save!r}: a new file name ending in .pt for the checkpoint, such as "
+            "runs/model.pt, not an existing file or folder (a run writes no .pt file but this)")
     if args.save:
         probe(args.save, f"{args.save}.{os.getpid()}.probe", "--save", bad)
-    check_out(args.out or "runs", bad)
+    check_out(args.out, bad)
     return cfg
 
 
@@ -777,7 +782,8 @@ def main(argv=None):
     os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen
     parser, argv = build_parser(), sys.argv[1:] if argv is None else argv
     if lab := [a for a in argv if a.split("=")[0] in LAB_MODES]:  # not in starter.py
-        parser.error(f"{lab[0]} is the lab's: python plots/lab.py {lab[0]} ...")  # not in starter.py
+        mode = lab[0].split("=")[0]  # not in starter.py
+        parser.error(f"{mode} is the lab's: python plots/lab.py {mode} ...")  # not in starter.py
     args = parser.parse_args(argv)
     if args.handout:  # not in starter.py
         return handout(args, parser)  # not in starter.py

@@ -19,7 +19,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # resharpen.py, in workers too
@@ -37,7 +37,7 @@ from resharpen import (ATTENTIONS, EMA, EVAL_SEED, GAP_LAWS, NORMS, CausalSelfAt
                        train, write_file, write_outputs)
 
 
-# ----------------------------------------------------------------------------- BEMA
+# -------------------------------------------------------------------------------------------- BEMA
 class BEMA(EMA):
     """Bias-corrected EMA (Block & Zhang 2025, "EMA Without the Lag"), with their defaults:
         beta_t  = (rho + gamma t)^-kappa            the weight of the new iterate
@@ -62,7 +62,7 @@ class BEMA(EMA):
         return [s + alpha * (p - p0) for s, p, p0 in zip(self.shadow, self.params, self.theta0)]
 
 
-# ----------------------------------------------------------------------------- languages
+# --------------------------------------------------------------------------------------- languages
 # Formal languages with several legal next tokens: Dyck-(k, D) and Shuffle-k. Tokens: 0 .. k-1
 # open brackets, k .. 2k-1 their closes, 2k END. A stream is a run of strings, each ended by END,
 # after which the next string starts from the empty state; so every position has an exact
@@ -145,7 +145,7 @@ def make_task(cfg):
             Language(replace(cfg, vocab=2 * cfg.brackets + 1)))
 
 
-# ----------------------------------------------------------------------------- log-length scaling
+# ------------------------------------------------------------------------------ log-length scaling
 class LogLengthAttention(CausalSelfAttention):
     """--attn-scale logn (Scalable-Softmax, Nakanishi 2025): a query that sees n positions (BOS
     included) attends by softmax(s_h log(n) q k^T / sqrt(head size)), s_h learned, initially 1."""
@@ -162,17 +162,190 @@ class LogLengthAttention(CausalSelfAttention):
 ATTENTIONS["logn"] = LogLengthAttention
 
 
-# ----------------------------------------------------------------------------- tables and figures of the grids
-def md_table(header, rows):
-    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+# --------------------------- the runner: every grid's runs, one per core, a runs file for --resume
+COMPARE_SEEDS, COMPARE_EMA = 3, 0.999   # seeds per setting; every grid's EMA decay
+REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
+           ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
+AVERAGES = ("raw", "ema", "bema")
+AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
+AVERAGERS = {"ema": lambda m: EMA(m, COMPARE_EMA), "bema": BEMA}
+COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
+          "post-residual": "tab:purple"}
 
 
+def train_and_evaluate(cfg, averages=("ema", "bema"), threads=None):
+    """Train one configuration; evaluate its raw weights and each average (AVERAGERS)."""
+    if threads:
+        torch.set_num_threads(threads)
+    t0, task = time.time(), make_task(cfg)
+    model, avgs, _ = train(cfg, task, log=lambda *a: None,
+                           averagers=lambda m: [AVERAGERS[a](m) for a in averages])
+    result = {"raw": evaluate(model, task=task), **{
+        a: evaluate(averaged_copy(model, avg), task=task) for a, avg in zip(averages, avgs)}}
+    if not all(finite(m) for m in result.values()):
+        raise FloatingPointError(f"the metrics of {cfg} are not finite")
+    return cfg, result, time.time() - t0
+
+
+def grid_workers(runs, device):
+    """Every CPU core this process may use, one run each; one run at a time on a GPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(cores or 1, len(runs)) if device == "cpu" else 1
+
+
+def config(record):   # a Config from JSON; records written before Config.bema went hold "bema": false
+    return Config(**{k: v for k, v in record.items() if k != "bema"})
+
+
+@dataclass
+class RunsFile:
+    """OUT/MODE.runs.jsonl (main names it): a grid's finished runs, one JSON line each, which the
+    same command with --resume keeps. resumed: how many of them run_grid took from it."""
+    path: str
+    resumed: int = 0
+
+    def finished(self):
+        """{config: (result, seconds)} of the runs there (check_runs_file has read each line)."""
+        if not os.path.exists(self.path):
+            return {}
+        runs = {}
+        for line in Path(self.path).read_text(encoding="utf-8").splitlines():
+            try:
+                runs[line] = json.loads(line)
+            except ValueError:   # cut short by a kill: dropped
+                pass
+        write_file(self.path, lambda f: Path(f).write_text("".join(f"{x}\n" for x in runs), "utf-8"))
+        return {config(r.pop("config")): (r, r.pop("seconds"), r.pop("device"))[:2]
+                for r in runs.values()}
+
+    def append(self, cfg, device, seconds, result):
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"config": asdict(cfg), "device": device, "seconds": seconds,
+                                **result}) + "\n")
+
+
+def run_grid(runs, device, averages=("ema", "bema"), later=0, runs_file=None):
+    """Train and evaluate the runs, one per core, printing a line each (its ETA counts `later` runs
+    too); append each to runs_file, skip those there. Returns (results in order, wall, workers)."""
+    workers, t0, pool = grid_workers(runs, device), time.time(), None
+    old = runs_file.finished() if runs_file else {}
+    done, todo = [(c, *old[c]) for c in runs if c in old], [c for c in runs if c not in old]
+    before = sum(d[2] for d in done) / workers
+    if done:
+        runs_file.resumed += len(done)
+    print(f"{len(runs)} training runs on {device}, {workers} at a time" +
+          (f"; {len(done)} done before, in {runs_file.path}" if done else ""), flush=True)
+    try:
+        if workers > 1:
+            import multiprocessing
+            # The workers start with Ctrl-C ignored (inherited): this process stops them.
+            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            pool = multiprocessing.get_context("spawn").Pool(workers)
+            signal.signal(signal.SIGINT, old_handler)
+            results = pool.imap_unordered(functools.partial(
+                train_and_evaluate, averages=averages, threads=1), todo)
+        else:
+            results = (train_and_evaluate(cfg, averages) for cfg in todo)
+        for cfg, result, seconds in results:
+            done.append((cfg, result, seconds))
+            if runs_file:
+                runs_file.append(cfg, device, seconds, result)
+            eta = mean([d[2] for d in done]) * math.ceil((len(runs) - len(done) + later) / workers)
+            tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
+                            for a, m in result.items())
+            print(f"[{len(done):2d}/{len(runs)}] {make_task(cfg).name:13s} {cfg.norm:13s} "
+                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} lr {cfg.lr:g} seed {cfg.seed} | "
+                  f"extrapolation TVD {tvds} | {seconds:.0f}s | ETA {eta:.0f}s", flush=True)
+    finally:
+        if pool:
+            pool.terminate()
+    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
+    return done, time.time() - t0 + before, workers
+
+
+def finish(out, name, text, command, details, figures, grid, runs_file=None, **record):
+    """Print the table with the grid's size and time; write name.md, the figures, name.json; then
+    remove the runs file, whose runs are all in name.json. grid: run_grid's (done, wall, workers)."""
+    (done, wall, workers), resumed = grid, runs_file.resumed if runs_file else 0
+    wall = round(wall, 1)   # the table's seconds are the JSON's
+    text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
+        f", {resumed} of them resumed from an interrupted command (the wall counts their own "
+        f"seconds / {workers})." if resumed else ".")
+    record.update(wall_seconds=wall, runs=[{"config": asdict(c), **r} for c, r, _ in done])
+    md = f"Written by `{command}` ({details}).\n\n{text}\n"
+    print("\n" + text)
+    written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
+    if runs_file and set(runs_file.finished()) <= {c for c, _, _ in done}:
+        Path(runs_file.path).unlink(missing_ok=True)   # every run is in the JSON record now
+    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+
+
+# -------------------------------------------------------------------------------------- statistics
 def mean_sd(values, digits=3):
     """'mean +- sample standard deviation', for the tables."""
     m = mean(values)
     sd = math.sqrt(sum((x - m) ** 2 for x in values) / max(len(values) - 1, 1))
     return f"{m:.{digits}f} +- {sd:.{digits}f}"
+T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
+       10: 2.262}   # Student's t, two-sided 95 %, by the number of paired values (n - 1 df)
+
+
+def mean_interval(xs):
+    """Mean of paired differences and its 95 % t interval (the seeds are the pairs)."""
+    n, m = len(xs), mean(xs)
+    half = T95[n] * math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
+    return m, m - half, m + half
+
+
+def wilson(k, n, z=1.96):
+    """95 % Wilson score interval of a proportion k / n."""
+    p, d = k / n, 1 + z * z / n
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (p + z * z / (2 * n)) / d - half, (p + z * z / (2 * n)) / d + half
+
+
+def sign_test(k, n):
+    """Two-sided exact sign test: the chance of a split at least as uneven as k of n."""
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n)
+
+
+def wilcoxon(diffs):
+    """Two-sided exact Wilcoxon signed-rank test (zeros dropped, tied |d| share their mean
+    rank): the distribution of the positive rank sum, counted over all 2^n sign patterns."""
+    d = [x for x in diffs if x != 0]
+    a = sorted(abs(x) for x in d)
+    ranks = [2 * a.index(abs(x)) + a.count(abs(x)) + 1 for x in d]   # twice the mean rank
+    counts = {0: 1}
+    for r in ranks:
+        counts = {t: counts.get(t, 0) + counts.get(t - r, 0) for t in range(sum(ranks) + 1)}
+    w, mid = sum(r for r, x in zip(ranks, d) if x > 0), sum(ranks) / 2
+    return min(1.0, sum(c for t, c in counts.items() if abs(t - mid) >= abs(w - mid)) / 2**len(d))
+
+
+@functools.lru_cache(maxsize=None)   # the same values recur in several subgroups
+def bootstrap_median(xs, reps=10000, seed=0):
+    """Median of the tuple xs and its 95 % percentile-bootstrap interval (fixed seed)."""
+    g = random.Random(seed)
+    meds = sorted(statistics.median(g.choices(xs, k=len(xs))) for _ in range(reps))
+    return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
+
+
+def search_stats(pairs, ref="post"):
+    """ref's win rate (log ratio > 0), sign and Wilcoxon tests (both drop ties), median ratio."""
+    logs = [x for x, _ in pairs]
+    n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
+    if n == 0:
+        return {"n": 0}
+    med, lo, hi = bootstrap_median(tuple(logs))
+    return {"n": n, f"{ref}_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
+            "sign_p": sign_test(k, n - ties) if n > ties else 1.0, "wilcoxon_p": wilcoxon(logs),
+            "median_ratio": math.exp(med), "median_ratio_95": (math.exp(lo), math.exp(hi))}
+
+
+# ----------------------------------------------------------------- tables and figures of the grids
+def md_table(header, rows):
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def tvd_cells(metrics, L):
@@ -200,133 +373,34 @@ def plot_panels(panels, train_len, n, ncol=4, overlay=None):
     return fig
 
 
-def finish(out, name, text, command, details, figures, done, wall, workers, **record):
-    """Print the table with the grid's size and time; write name.md, the figures, name.json."""
-    wall = round(wall, 1)   # the table's seconds are the JSON's
-    text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
-        f", {RESUMED} of them resumed from an interrupted command (the wall counts their own "
-        f"seconds / {workers})." if RESUMED else ".")
-    record.update(wall_seconds=wall, runs=[{"config": asdict(c), **r} for c, r, _ in done])
-    md = f"Written by `{command}` ({details}).\n\n{text}\n"
-    print("\n" + text)
-    written = write_outputs(out, {f"{name}.md": md, **figures, f"{name}.json": record})
-    if resumable() and set(finished_runs()) <= {c for c, _, _ in done}:
-        os.remove(RUNS_FILE)   # every run is in the JSON record now
-    print(f"wrote {', '.join(written)} | {wall:.0f}s")
+def norm_curves(runs, f, post_lw=2.5):
+    """plot_panels' curves of f(metrics) per placement: post wide and on top."""
+    return {n: (COLORS[n], [f(m) for m in ms], dict(lw=post_lw, zorder=5) if n == "post"
+                else dict(zorder=3)) for n, ms in runs.items()}
 
 
-# ----------------------------------------------------------------------------- grids
-COMPARE_SEEDS, COMPARE_EMA = 3, 0.999   # seeds per setting; every grid's EMA decay
-REGIMES = (("sampled", "constant"), ("sampled", "cosine"), ("exact", "constant"),
-           ("exact", "cosine"))   # (targets, learning-rate schedule): where the noise comes from
-AVERAGES = ("raw", "ema", "bema")
-AVERAGE_LABELS = {"raw": "none", "ema": f"EMA {COMPARE_EMA}", "bema": "BEMA"}
-AVERAGERS = {"ema": lambda m: EMA(m, COMPARE_EMA), "bema": BEMA}
-COLORS = {"pre": "tab:red", "pre-final": "tab:orange", "post": "tab:blue",
-          "post-residual": "tab:purple"}
-RUNS_FILE = None   # main() sets it to OUT/MODE.runs.jsonl: a grid's finished runs, one a line
-RESUMED = 0        # how many of them run_grid took from an interrupted command (--resume)
-
-
-def train_and_evaluate(cfg, averages=("ema", "bema"), threads=None):
-    """Train one configuration; evaluate its raw weights and each average (AVERAGERS)."""
-    if threads:
-        torch.set_num_threads(threads)
-    t0, task = time.time(), make_task(cfg)
-    model, avgs, _ = train(cfg, task, log=lambda *a: None,
-                           averagers=lambda m: [AVERAGERS[a](m) for a in averages])
-    result = {"raw": evaluate(model, task=task), **{
-        a: evaluate(averaged_copy(model, avg), task=task) for a, avg in zip(averages, avgs)}}
-    if not all(finite(m) for m in result.values()):
-        raise FloatingPointError(f"the metrics of {cfg} are not finite")
-    return cfg, result, time.time() - t0
-
-
-def grid_workers(runs, device):
-    """Every CPU core this process may use, one run each; one run at a time on a GPU."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(cores or 1, len(runs)) if device == "cpu" else 1
-
-
-def resumable():   # whether an interrupted grid left finished runs for --resume
-    return os.path.exists(RUNS_FILE or "")
-
-
-def finished_runs():
-    """{config: (result, seconds)} of the runs in RUNS_FILE (check_runs_file has read each line)."""
-    if not resumable():
-        return {}
-    runs = {}
-    for line in Path(RUNS_FILE).read_text(encoding="utf-8").splitlines():
-        try:
-            runs[line] = json.loads(line)
-        except ValueError:   # cut short by a kill: dropped
-            pass
-    write_file(RUNS_FILE, lambda f: Path(f).write_text("".join(f"{x}\n" for x in runs), "utf-8"))
-    return {Config(**r.pop("config")): (r, r.pop("seconds"), r.pop("device"))[:2]
-            for r in runs.values()}
-
-
-def run_grid(runs, device, averages=("ema", "bema"), later=0):
-    """Train and evaluate the runs, one per core, printing a line each (its ETA counts `later` runs
-    too); append each to RUNS_FILE, skip those there. Returns (results in order, wall, workers)."""
-    global RESUMED
-    workers, old, t0, pool = grid_workers(runs, device), finished_runs(), time.time(), None
-    done, todo = [(c, *old[c]) for c in runs if c in old], [c for c in runs if c not in old]
-    RESUMED, before = RESUMED + len(done), sum(d[2] for d in done) / workers
-    print(f"{len(runs)} training runs on {device}, {workers} at a time" +
-          (f"; {len(done)} done before, in {RUNS_FILE}" if done else ""), flush=True)
-    try:
-        if workers > 1:
-            import multiprocessing
-            # The workers start with Ctrl-C ignored (inherited): this process stops them.
-            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            pool = multiprocessing.get_context("spawn").Pool(workers)
-            signal.signal(signal.SIGINT, old_handler)
-            results = pool.imap_unordered(functools.partial(
-                train_and_evaluate, averages=averages, threads=1), todo)
-        else:
-            results = (train_and_evaluate(cfg, averages) for cfg in todo)
-        for cfg, result, seconds in results:
-            done.append((cfg, result, seconds))
-            if RUNS_FILE:
-                with open(RUNS_FILE, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"config": asdict(cfg), "device": device,
-                                        "seconds": seconds, **result}) + "\n")
-            eta = mean([d[2] for d in done]) * math.ceil((len(runs) - len(done) + later) / workers)
-            tvds = " ".join(f"{a} {summarize(m, cfg.train_len)['tvd_extrap']:.3f}"
-                            for a, m in result.items())
-            print(f"[{len(done):2d}/{len(runs)}] {make_task(cfg).name:13s} {cfg.norm:13s} "
-                  f"{cfg.targets:7s} {cfg.lr_schedule:8s} lr {cfg.lr:g} seed {cfg.seed} | "
-                  f"extrapolation TVD {tvds} | {seconds:.0f}s | ETA {eta:.0f}s", flush=True)
-    finally:
-        if pool:
-            pool.terminate()
-    done.sort(key=lambda d: runs.index(d[0]))   # grid order, whichever finished first
-    return done, time.time() - t0 + before, workers
-
-
-# ----------------------------------------------------------------------------- comparison
+# -------------------------------------------------------------------------------------- comparison
 # python plots/lab.py --compare: every claim of the paper, 3 seeds each (plots/README.md, section 1)
 def compare_grid(base, norms=tuple(NORMS), regimes=REGIMES, lrs=(None,), seeds=None):
     """Each placement in each regime (at each rate), COMPARE_SEEDS seeds; each run is evaluated
     with its raw, EMA and BEMA weights (averages never feed back: 'EMA off' is the raw run)."""
     seeds = [base.seed + i for i in range(COMPARE_SEEDS)] if seeds is None else seeds
-    return [replace(base, norm=n, targets=t, lr_schedule=sch, lr=lr or base.lr, seed=s, ema=0.0,
-                    bema=False) for t, sch in regimes for n in norms for lr in lrs for s in seeds]
+    return [replace(base, norm=n, targets=t, lr_schedule=sch, lr=lr or base.lr, seed=s, ema=0.0)
+            for t, sch in regimes for n in norms for lr in lrs for s in seeds]
 
 
-def tune_rates(base, norms, regimes, lrs, device):
+def tune_rates(base, norms, regimes, lrs, device, runs_file=None):
     """Every rate on the first seed; the other seeds at the rate with the lowest training-length
     TVD (EMA weights). Returns (every run, wall, workers, {(norm, targets, schedule): rate})."""
     first, wall, workers = run_grid(compare_grid(base, norms, regimes, lrs, [base.seed]), device,
-                                    later=len(norms) * len(regimes) * (COMPARE_SEEDS - 1))
+                                    later=len(norms) * len(regimes) * (COMPARE_SEEDS - 1),
+                                    runs_file=runs_file)
     chosen = {}
     for c, r, _ in sorted(first, key=lambda d: summarize(d[1]["ema"], base.train_len)["tvd_train"]):
         chosen.setdefault((c.norm, c.targets, c.lr_schedule), c.lr)
     rest = [replace(c, seed=base.seed + i) for c, _, _ in first
             if c.lr == chosen[(c.norm, c.targets, c.lr_schedule)] for i in range(1, COMPARE_SEEDS)]
-    more, wall2, _ = run_grid(rest, device)
+    more, wall2, _ = run_grid(rest, device, runs_file=runs_file)
     return first + more, wall + wall2, workers, chosen
 
 
@@ -429,12 +503,6 @@ def layer_entropy_table(rows, cfg, norms, regimes):
         ["regime", "placement", "layer"] + [f"s = {s}" for s in at], table)
 
 
-def norm_curves(runs, f, post_lw=2.5):
-    """plot_panels' curves of f(metrics) per placement: post wide and on top."""
-    return {n: (COLORS[n], [f(m) for m in ms], dict(lw=post_lw, zorder=5) if n == "post"
-                else dict(zorder=3)) for n, ms in runs.items()}
-
-
 def plot_compare_norms(rows, cfg):
     """compare_norms.png, the README's first figure (sampled targets, constant rate, EMA weights)."""
     L, v = cfg.train_len, cfg.vocab
@@ -460,15 +528,16 @@ def plot_regimes(rows, cfg, norms, regimes):
                         for t, sch in regimes], cfg.train_len, cfg.vocab - 1, ncol=len(norms) + 1)
 
 
-def compare(base, out, command, norms=None, regimes=None, lrs=None):
+def compare(base, out, command, norms=None, regimes=None, lrs=None, runs_file=None):
     """--compare: compare.md and .json, 2 figures (1 with norms or regimes); lrs: tune_rates."""
     full, device, chosen = norms is None and regimes is None, pick_device(base.device), {}
     norms, regimes = norms or tuple(NORMS), regimes or REGIMES
     if lrs and len(lrs) > 1:
-        done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device)
+        done, wall, workers, chosen = tune_rates(base, norms, regimes, lrs, device, runs_file)
     else:
         base = replace(base, lr=lrs[0]) if lrs else base
-        done, wall, workers = run_grid(compare_grid(base, norms, regimes), device)
+        done, wall, workers = run_grid(compare_grid(base, norms, regimes), device,
+                                       runs_file=runs_file)
     rows = {}   # {(norm, targets, schedule, average): [metrics]}, at the chosen rates if tuned
     for c, result, _ in done:
         if chosen.get((c.norm, c.targets, c.lr_schedule), c.lr) == c.lr:
@@ -491,117 +560,11 @@ def compare(base, out, command, norms=None, regimes=None, lrs=None):
     details = (f"v={v}, train lengths 1..{L}, width {base.n_embd}, {base.n_layer} layer(s)"
                f"{', MLP' if base.mlp else ''}, {base.steps} steps, batch {base.batch_size}, "
                f"lr {'tuned' if chosen else base.lr}")
-    finish(out, "compare", "\n".join(lines), command, details, figures, done, wall, workers, **record)
+    finish(out, "compare", "\n".join(lines), command, details, figures, (done, wall, workers),
+           runs_file, **record)
 
 
-def depth_sweep(root, out=None):
-    """OUT/depth.md and .png (OUT: root) from root/depthN/**/compare.json: each placement's TVD
-    against depth (EMA, chosen rates), seed noise at 2 L (P10); each first seed at every rate."""
-    pool, rates = {}, {}   # (layers, regime, norm, column): each seed's; (layers, regime, lr): ...
-    for p in sorted(Path(root).glob("depth*/**/compare.json")):
-        if not re.fullmatch(r"depth\d+", top := p.relative_to(root).parts[0]):
-            continue   # such as a copy, depth1-old
-        d, rec = int(top[5:]), json.loads(p.read_text("utf-8"))
-        for r, ns in rec["summary"].items():
-            for n, c, v in [(n, c, v) for n in NORMS if n in ns for c, v in ns[n]["ema"].items()]:
-                pool.setdefault((d, r, n, c.split("(")[-1].rstrip(")")), []).extend(v)
-        for c, m in [(Config(**x["config"]), x["ema"]) for x in rec["runs"]]:
-            if p.parent.name == top and "chosen_lr" in rec and c.seed == rec["config"]["seed"]:
-                regime = f"{c.targets}, {c.lr_schedule}"   # {norm: (TVD at 2 L, chosen)}
-                rates.setdefault((d, regime, c.lr), {})[c.norm] = (m["tvd"][2 * c.train_len - 1], (
-                    "*" if rec["chosen_lr"][f"{c.norm}, {regime}"] == c.lr else ""))
-    depths, first = sorted({k[0] for k in pool}), list(dict.fromkeys(k[1] for k in pool))
-    norms = [n for n in NORMS if n in {k[2] for k in pool}]
-    whole = [(d, r) for d in depths for r in first if all((d, r, n, "2 L") in pool for n in norms)]
-    if left := [f"{d} layers, {r}" for d in depths for r in first if (d, r) not in whole]:
-        print(f"depth_sweep: not every placement in {'; '.join(left)}: left out")
-    rows = []
-    for d, r in whole:
-        at, fit = ({n: pool[d, r, n, c] for n in norms} for c in ("2 L", "training lengths"))
-        best, runner = sorted(norms, key=lambda n: mean(at[n]))[:2]
-        apart = all(max(at[best]) < min(at[n]) for n in norms if n != best)
-        worse = [f"`{n}`" for n in norms if mean(fit[n]) > 2 * min(map(mean, fit.values()))]
-        rows.append([d, r, len(at[best])] + [f"{mean(fit[n]):.4f} / {mean(at[n]):.4f} ("
-                    f"{min(at[n]):.3f} - {max(at[n]):.3f})" for n in norms] + [f"`{best}`",
-                    "outside" if apart else "within", "{:+.3f} ({:+.3f} to {:+.3f})".format(
-                        *mean_interval([a - b for a, b in zip(at[best], at[runner])])),
-                    ", ".join(worse) or "-"])
-    by_rate = [[d, r, f"{lr:g}"] + [f"{t[n][0]:.4f}{t[n][1]}" if n in t else "-" for n in norms] +
-               [f"`{min(t, key=t.get)}`"] for (d, r, lr), t in sorted(
-                   rates.items(), key=lambda kv: (kv[0][0], first.index(kv[0][1]), kv[0][2]))]
-    text = "\n".join(["Training-length TVD / TVD at 2 L (seeds' min - max), EMA 0.999, chosen "
-                      "rates; fits worse: training TVD over twice the best.", ""] + md_table(
-        ["layers", "regime", "seeds"] + [f"`{n}`" for n in norms] + ["lowest at 2 L", "seed noise",
-                                  "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows) + [
-        "", "Each rate on each grid's first seed (seed 0): TVD at 2 L, EMA 0.999 (* the rate "
-        "chosen, by the training-length TVD); who is lowest at each rate.", ""] + md_table(
-        ["layers", "regime", "lr"] + [f"`{n}`" for n in norms] + ["lowest at 2 L"], by_rate))
-    print(text)
-    write_outputs(out or root, {"depth.md": text + "\n",
-                                  "depth.png": plot_depth(pool, whole, depths, first, norms)})
-
-
-def plot_depth(pool, whole, depths, first, norms):
-    """depth.png: each placement's TVD against depth, at 2 L and on the training lengths."""
-    fig, axes = new_figure(2 * len(first), width=3.6)
-    for ax, (c, r) in zip(axes, [(c, r) for c in ("2 L", "training lengths") for r in first]):
-        ds = [d for d in depths if (d, r) in whole]
-        for n in norms:
-            ys = [pool[d, r, n, c] for d in ds]
-            ax.plot(ds, [mean(y) for y in ys], color=COLORS[n], label=n)
-            ax.plot([d for d, y in zip(ds, ys) for _ in y], sum(ys, []), "o", ms=4, color=COLORS[n])
-        ax.set(title=f"{r}: TVD, {c}", xlabel="layers", yscale="log", xticks=depths)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
-    return fig
-
-
-def mlp_norm_table(root, out=None):
-    """OUT/mlp_norm.md (OUT: root/mlp_norm): pre with its MLP norm (root/depthN) and without it
-    (root/mlp_norm/layersN), chosen rates, EMA weights: TVD, logit gap x s at L and 2 L (P11)."""
-    group = {}   # (layers, regime, MLP norm): (metrics, L) of each seed at the chosen rate
-    for p in sorted(Path(root).glob("mlp_norm/layers*/compare.json")):
-        for normed, q in (("yes", Path(root, f"depth{p.parent.name[6:]}/compare.json")), ("no", p)):
-            rec = json.loads(q.read_text("utf-8"))
-            for c, m in [(Config(**r["config"]), r["ema"]) for r in rec["runs"]]:
-                regime = f"{c.targets}, {c.lr_schedule}"
-                if c.norm == "pre" and rec["chosen_lr"][f"pre, {regime}"] == c.lr:
-                    group.setdefault((c.n_layer, regime, normed), []).append((m, c.train_len))
-    if not group:
-        return
-    at = {k: [m["tvd"][2 * L - 1] for m, L in ms] for k, ms in group.items()}
-    fit = {k: mean([summarize(m, L)["tvd_train"] for m, L in ms]) for k, ms in group.items()}
-    rows = []
-    for k in sorted(group, key=lambda k: (k[0], k[1][0] == "e", k[2] == "no")):  # sampled first
-        ms, L, o = group[k], group[k][0][1], (*k[:2], "no" if k[2] == "yes" else "yes")
-        gs = [mean([m["logit_gap"][s - 1] * s for m, _ in ms]) for s in (L, 2 * L)]
-        rows.append([*k, f"{fit[k]:.4f} / {mean(at[k]):.4f} ({min(at[k]):.3f} - {max(at[k]):.3f})",
-                     ("outside" if max(at[k]) < min(at[o]) or min(at[k]) > max(at[o]) else "within")
-                     + ("; fits worse (P11)" if fit[k] > 2 * fit[o] else ""),
-                     f"{gs[0]:.2f}", f"{gs[1]:.2f}", f"{gs[1] / gs[0]:.2f}"])
-    text = "\n".join(["`pre` with and without its MLP norm: training-length TVD / TVD at 2 L "
-                      "(seeds' min - max), EMA 0.999, chosen rates; seed noise at 2 L against "
-                      "the other arm (fits worse: training-length TVD over twice its); logit gap "
-                      "x s, mean of seeds; rho = its ratio, 2 L over L.",
-                      ""] + md_table(["layers", "regime", "MLP norm", "`pre`", "seed noise",
-                                      "gap x s at L", "gap x s at 2 L", "rho"], rows))
-    print(text)
-    layers = sorted({k[0] for k in group})
-    fig, axes = new_figure(2, 5, 3.6, len(layers))   # a row per depth: gap x s, then the TVD
-    for k, ms in sorted(group.items()):   # mean of seeds; dashed: without the MLP norm
-        s, d = range(1, len(ms[0][0]["tvd"]) + 1), 2 * layers.index(k[0])
-        for ax, key in zip(axes[d:d + 2], ("logit_gap", "tvd")):
-            ax.plot(s, [mean([m[key][j - 1] * (j if key == "logit_gap" else 1) for m, _ in ms])
-                        for j in s], "--" if k[2] == "no" else "-", color="C1" if k[1][0] == "s"
-                    else "C0", label=f"{k[1]}, MLP norm: {k[2]}")
-            ax.set(title=f"{k[0]} layer(s)", ylabel=("logit gap x s" if key == "logit_gap" else
-                                                    "TVD") + " (EMA, mean of seeds)")
-    for ax in axes:
-        shade_training(ax, ms[0][1], len(s))
-    axes[0].legend(fontsize=7), fig.suptitle("pre with an MLP, with and without its MLP norm")
-    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text, "mlp_norm.png": fig})
-
-
-# ----------------------------------------------------------------------------- alternatives
+# ------------------------------------------------------------------------------------ alternatives
 # python plots/lab.py --alternatives: would another remedy do as well? (theory.md, Appendix E)
 ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
     "pre": {}, "pre + dropout 0.1": dict(dropout=0.1), "pre + dropout 0.3": dict(dropout=0.3),
@@ -611,7 +574,7 @@ ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
 
 def alternatives_grid(base):
     """Each remedy on the comparison's setting (sampled targets, constant rate), 3 seeds."""
-    sampled = dict(norm="pre", targets="sampled", lr_schedule="constant", ema=0.0, bema=False)
+    sampled = dict(norm="pre", targets="sampled", lr_schedule="constant", ema=0.0)
     return [replace(base, **{**sampled, **changes}, seed=base.seed + i)
             for changes in ALTERNATIVES.values() for i in range(COMPARE_SEEDS)]
 
@@ -645,10 +608,10 @@ def plot_alternatives(named, cfg):
         cfg.train_len, cfg.vocab - 1)
 
 
-def alternatives(base, out, command):
+def alternatives(base, out, command, runs_file=None):
     """The remedies side by side, 3 seeds each. Writes alternatives.md, .json and .png."""
-    done, wall, workers = run_grid(alternatives_grid(base), pick_device(base.device),
-                                   averages=("ema",))
+    grid = run_grid(alternatives_grid(base), pick_device(base.device), ("ema",), runs_file=runs_file)
+    done = grid[0]
     k = COMPARE_SEEDS   # run_grid returns the runs in grid order: k seeds per remedy
     named = {name: [r for _, r, _ in done[i * k:i * k + k]] for i, name in enumerate(ALTERNATIVES)}
     text = "\n".join(alternatives_table(named, base.train_len, base.vocab)) + (
@@ -656,10 +619,10 @@ def alternatives(base, out, command):
     details = (f"v={base.vocab}, train lengths 1..{base.train_len}, {base.steps} steps, batch "
                f"{base.batch_size}, lr {base.lr}, sampled targets, constant learning rate")
     finish(out, "alternatives", text, command, details, {"alternatives.png": plot_alternatives(
-        named, base)}, done, wall, workers, config=asdict(base))
+        named, base)}, grid, runs_file, config=asdict(base))
 
 
-# ----------------------------------------------------------------------------- search
+# ------------------------------------------------------------------------------------------ search
 # python plots/lab.py --search N: is the effect a property of the method or of the defaults?
 SEARCH_N = 40            # the pre-registered size of the committed search (plots/README.md, section 3)
 SEARCH_DEFAULT = 4       # a reader's quick version: 12 runs, a few minutes on 2 cores
@@ -703,39 +666,6 @@ def search_arms(runs, results):
             for c in [min((c for c in runs if arm(c) == a), key=train)]}   # of equal: the first
 
 
-def wilson(k, n, z=1.96):
-    """95 % Wilson score interval of a proportion k / n."""
-    p, d = k / n, 1 + z * z / n
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (p + z * z / (2 * n)) / d - half, (p + z * z / (2 * n)) / d + half
-
-
-def sign_test(k, n):
-    """Two-sided exact sign test: the chance of a split at least as uneven as k of n."""
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n)
-
-
-def wilcoxon(diffs):
-    """Two-sided exact Wilcoxon signed-rank test (zeros dropped, tied |d| share their mean
-    rank): the distribution of the positive rank sum, counted over all 2^n sign patterns."""
-    d = [x for x in diffs if x != 0]
-    a = sorted(abs(x) for x in d)
-    ranks = [2 * a.index(abs(x)) + a.count(abs(x)) + 1 for x in d]   # twice the mean rank
-    counts = {0: 1}
-    for r in ranks:
-        counts = {t: counts.get(t, 0) + counts.get(t - r, 0) for t in range(sum(ranks) + 1)}
-    w, mid = sum(r for r, x in zip(ranks, d) if x > 0), sum(ranks) / 2
-    return min(1.0, sum(c for t, c in counts.items() if abs(t - mid) >= abs(w - mid)) / 2**len(d))
-
-
-@functools.lru_cache(maxsize=None)   # the same values recur in several subgroups
-def bootstrap_median(xs, reps=10000, seed=0):
-    """Median of the tuple xs and its 95 % percentile-bootstrap interval (fixed seed)."""
-    g = random.Random(seed)
-    meds = sorted(statistics.median(g.choices(xs, k=len(xs))) for _ in range(reps))
-    return statistics.median(xs), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
-
-
 def search_pairs(configs, results, rival, avg):
     """Per configuration: (log of rival / reference at 2 L, the pair's larger training TVD)."""
     out, ref = [], reference(configs)
@@ -744,18 +674,6 @@ def search_pairs(configs, results, rival, avg):
         out.append((math.log(m[rival]["tvd"][2 * L - 1] / m[ref]["tvd"][2 * L - 1]),
                     max(summarize(m[k], L)["tvd_train"] for k in (rival, ref))))
     return out
-
-
-def search_stats(pairs, ref="post"):
-    """ref's win rate (log ratio > 0), sign and Wilcoxon tests (both drop ties), median ratio."""
-    logs = [x for x, _ in pairs]
-    n, k, ties = len(logs), sum(x > 0 for x in logs), sum(x == 0 for x in logs)
-    if n == 0:
-        return {"n": 0}
-    med, lo, hi = bootstrap_median(tuple(logs))
-    return {"n": n, f"{ref}_wins": k, "win_rate": k / n, "win_rate_95": wilson(k, n),
-            "sign_p": sign_test(k, n - ties) if n > ties else 1.0, "wilcoxon_p": wilcoxon(logs),
-            "median_ratio": math.exp(med), "median_ratio_95": (math.exp(lo), math.exp(hi))}
 
 
 def search_summary(configs, results):
@@ -853,18 +771,18 @@ def search_text(configs, results, n, lrs):
         "\n\n### Every configuration (EMA weights)\n\n" + "\n".join(configurations))
 
 
-def search(base, out, n, command, lrs=None):
+def search(base, out, n, command, lrs=None, runs_file=None):
     """python plots/lab.py --search N: N random configurations, one run per arm (and rate)."""
     configs = search_configs(n, base.seed, lrs, base.mlp)
-    done, wall, workers = run_grid(sum(configs, []), pick_device(base.device), averages=("ema",))
-    results = {c: r for c, r, _ in done}
+    grid = run_grid(sum(configs, []), pick_device(base.device), ("ema",), runs_file=runs_file)
+    results = {c: r for c, r, _ in grid[0]}
     summary, text = search_text(configs, results, n, lrs)
     details = f"seed {base.seed}; ranges in `search_configs`; protocol in plots/README.md"
     finish(out, "search", text + "\n\n", command, details, {"search.png": plot_search(
-        configs, results, list(summary))}, done, wall, workers, summary=summary)
+        configs, results, list(summary))}, grid, runs_file, summary=summary)
 
 
-# ----------------------------------------------------------------------------- language suite
+# ---------------------------------------------------------------------------------- language suite
 # python plots/lab.py --suite: do the remedies carry over? (plots/README.md, section 7)
 SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffle", brackets=2))
 # Counting and matching brackets need more than a bag of tokens: two layers (the second reads
@@ -873,22 +791,13 @@ SUITE_LANGUAGES = (dict(task="dyck", brackets=2, max_depth=4), dict(task="shuffl
 SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=True, dropout=0.0,
                    steps=3000, batch_size=128, lr=1e-3, lr_schedule="constant", targets="sampled")
 SUITE_NORMS, SUITE_SEEDS = ("pre", "pre-final", "post"), 5
-T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306,
-       10: 2.262}   # Student's t, two-sided 95 %, by the number of paired values (n - 1 df)
 
 
 def suite_grid(base, **overrides):
     """Every language x SUITE_NORMS x SUITE_SEEDS seeds, with SUITE_MODEL's settings."""
-    settings = {**SUITE_MODEL, **overrides, "ema": 0.0, "bema": False}
+    settings = {**SUITE_MODEL, **overrides, "ema": 0.0}
     return [make_task(replace(base, **settings, **lang, norm=norm, seed=base.seed + i)).cfg
             for lang in SUITE_LANGUAGES for norm in SUITE_NORMS for i in range(SUITE_SEEDS)]
-
-
-def mean_interval(xs):
-    """Mean of paired differences and its 95 % t interval (the seeds are the pairs)."""
-    n, m = len(xs), mean(xs)
-    half = T95[n] * math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
-    return m, m - half, m + half
 
 
 def suite_pairs(groups, L):
@@ -926,18 +835,18 @@ def plot_suite(groups, L):
                         for name in dict.fromkeys(name for name, _ in groups)], L, 4 * L)
 
 
-def suite(base, out, command, **overrides):
+def suite(base, out, command, runs_file=None, **overrides):
     """python plots/lab.py --suite: the languages, then suite.md, suite.json, suite.png."""
-    done, wall, workers = run_grid(suite_grid(base, **overrides), pick_device(base.device))
-    groups, L = {}, done[0][0].train_len   # {(language, norm): [each seed's result]}, grid order
-    for c, r, _ in done:
+    grid = run_grid(suite_grid(base, **overrides), pick_device(base.device), runs_file=runs_file)
+    groups, L = {}, grid[0][0][0].train_len   # {(language, norm): [each seed's result]}, grid order
+    for c, r, _ in grid[0]:
         groups.setdefault((make_task(c).name, c.norm), []).append(r)
     settings = ", ".join(f"{k} {v}" for k, v in {**SUITE_MODEL, **overrides}.items())
     finish(out, "suite", suite_table(groups, L), command, settings,
-           {"suite.png": plot_suite(groups, L)}, done, wall, workers)
+           {"suite.png": plot_suite(groups, L)}, grid, runs_file)
 
 
-# ----------------------------------------------------------------------------- theory
+# ------------------------------------------------------------------------------------------ theory
 # python plots/lab.py --theory: Part 1's hand-built models against their formulas
 def predicted_margin(vocab, norm, s, gamma=1.0, eps=1e-5):
     """hand_built's unseen minus seen logit at length s (theory.md, 2, 4, C): the values' average
@@ -988,7 +897,140 @@ def theory(vocab, train_len, out):
     print(f"wrote {', '.join(write_outputs(out, {'theory.png': fig}))}")
 
 
-# ----------------------------------------------------------------------------- command line
+# -------------------------------------------------------- tables from grids already run (--tables)
+def depth_records(root):   # root/depthN/**/compare.json, not a copy such as depth1-old
+    return [p for p in sorted(Path(root).glob("depth*/**/compare.json"))
+            if re.fullmatch(r"depth\d+", p.relative_to(root).parts[0])]
+
+
+def check_tables(root, out, bad):
+    """--tables ROOT: --compare records in ROOT/depthN and, if any, in ROOT/mlp_norm/layersN beside
+    their ROOT/depthN partners, both with --lrs; no file named mlp_norm in --out."""
+    if not os.path.isdir(root) or not (depths := depth_records(root)):
+        bad(f"--tables {root}: no depthN/compare.json in it (ROOT holds the depth grids' --out "
+            "folders depth1, depth2, ..., as plots/ does)")
+    ablations = sorted(Path(root).glob("mlp_norm/layers*/compare.json"))
+    pairs = ablations + [Path(root, f"depth{p.parent.name[6:]}", "compare.json") for p in ablations]
+    for p in depths + pairs:
+        try:
+            rec = json.loads(p.read_text("utf-8"))
+        except (OSError, ValueError):
+            rec = None
+        if not (isinstance(rec, dict) and {"config", "summary", "runs"} <= set(rec)):
+            bad(f"--tables {root}: {p} is not a record of python plots/lab.py --compare")
+        if p in pairs and "chosen_lr" not in rec:
+            bad(f"--tables {root}: {p} is a grid without --lrs; mlp_norm.md compares chosen rates")
+    if os.path.isfile(os.path.join(out or "runs", "mlp_norm")):
+        bad(f"--out {out}: mlp_norm there is a file, where --tables writes a folder")
+
+
+def depth_sweep(root, out=None):
+    """OUT/depth.md and .png (OUT: root) from root/depthN/**/compare.json: each placement's TVD
+    against depth (EMA, chosen rates), seed noise at 2 L (P10); each first seed at every rate."""
+    pool, rates = {}, {}   # (layers, regime, norm, column): each seed's; (layers, regime, lr): ...
+    for p in depth_records(root):
+        top = p.relative_to(root).parts[0]
+        d, rec = int(top[5:]), json.loads(p.read_text("utf-8"))
+        for r, ns in rec["summary"].items():
+            for n, c, v in [(n, c, v) for n in NORMS if n in ns for c, v in ns[n]["ema"].items()]:
+                pool.setdefault((d, r, n, c.split("(")[-1].rstrip(")")), []).extend(v)
+        for c, m in [(config(x["config"]), x["ema"]) for x in rec["runs"]]:
+            if p.parent.name == top and "chosen_lr" in rec and c.seed == rec["config"]["seed"]:
+                regime = f"{c.targets}, {c.lr_schedule}"   # {norm: (TVD at 2 L, chosen)}
+                rates.setdefault((d, regime, c.lr), {})[c.norm] = (m["tvd"][2 * c.train_len - 1], (
+                    "*" if rec["chosen_lr"][f"{c.norm}, {regime}"] == c.lr else ""))
+    depths, first = sorted({k[0] for k in pool}), list(dict.fromkeys(k[1] for k in pool))
+    norms = [n for n in NORMS if n in {k[2] for k in pool}]
+    whole = [(d, r) for d in depths for r in first if all((d, r, n, "2 L") in pool for n in norms)]
+    if left := [f"{d} layers, {r}" for d in depths for r in first if (d, r) not in whole]:
+        print(f"depth_sweep: not every placement in {'; '.join(left)}: left out")
+    rows = []
+    for d, r in whole:
+        at, fit = ({n: pool[d, r, n, c] for n in norms} for c in ("2 L", "training lengths"))
+        best, runner = sorted(norms, key=lambda n: mean(at[n]))[:2]
+        apart = all(max(at[best]) < min(at[n]) for n in norms if n != best)
+        worse = [f"`{n}`" for n in norms if mean(fit[n]) > 2 * min(map(mean, fit.values()))]
+        rows.append([d, r, len(at[best])] + [f"{mean(fit[n]):.4f} / {mean(at[n]):.4f} ("
+                    f"{min(at[n]):.3f} - {max(at[n]):.3f})" for n in norms] + [f"`{best}`",
+                    "outside" if apart else "within", "{:+.3f} ({:+.3f} to {:+.3f})".format(
+                        *mean_interval([a - b for a, b in zip(at[best], at[runner])])),
+                    ", ".join(worse) or "-"])
+    by_rate = [[d, r, f"{lr:g}"] + [f"{t[n][0]:.4f}{t[n][1]}" if n in t else "-" for n in norms] +
+               [f"`{min(t, key=t.get)}`"] for (d, r, lr), t in sorted(
+                   rates.items(), key=lambda kv: (kv[0][0], first.index(kv[0][1]), kv[0][2]))]
+    text = "\n".join(["Training-length TVD / TVD at 2 L (seeds' min - max), EMA 0.999, chosen "
+                      "rates; fits worse: training TVD over twice the best.", ""] + md_table(
+        ["layers", "regime", "seeds"] + [f"`{n}`" for n in norms] + ["lowest at 2 L", "seed noise",
+                                  "lowest - next at 2 L, paired (95 % t)", "fits worse"], rows) + [
+        "", "Each rate on each grid's first seed (seed 0): TVD at 2 L, EMA 0.999 (* the rate "
+        "chosen, by the training-length TVD); who is lowest at each rate.", ""] + md_table(
+        ["layers", "regime", "lr"] + [f"`{n}`" for n in norms] + ["lowest at 2 L"], by_rate))
+    print(text)
+    write_outputs(out or root, {"depth.md": text + "\n",
+                                  "depth.png": plot_depth(pool, whole, depths, first, norms)})
+
+
+def plot_depth(pool, whole, depths, first, norms):
+    """depth.png: each placement's TVD against depth, at 2 L and on the training lengths."""
+    fig, axes = new_figure(2 * len(first), width=3.6)
+    for ax, (c, r) in zip(axes, [(c, r) for c in ("2 L", "training lengths") for r in first]):
+        ds = [d for d in depths if (d, r) in whole]
+        for n in norms:
+            ys = [pool[d, r, n, c] for d in ds]
+            ax.plot(ds, [mean(y) for y in ys], color=COLORS[n], label=n)
+            ax.plot([d for d, y in zip(ds, ys) for _ in y], sum(ys, []), "o", ms=4, color=COLORS[n])
+        ax.set(title=f"{r}: TVD, {c}", xlabel="layers", yscale="log", xticks=depths)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
+    return fig
+
+
+def mlp_norm_table(root, out=None):
+    """OUT/mlp_norm.md (OUT: root/mlp_norm): pre with its MLP norm (root/depthN) and without it
+    (root/mlp_norm/layersN), chosen rates, EMA weights: TVD, logit gap x s at L and 2 L (P11)."""
+    group = {}   # (layers, regime, MLP norm): (metrics, L) of each seed at the chosen rate
+    for p in sorted(Path(root).glob("mlp_norm/layers*/compare.json")):
+        for normed, q in (("yes", Path(root, f"depth{p.parent.name[6:]}/compare.json")), ("no", p)):
+            rec = json.loads(q.read_text("utf-8"))
+            for c, m in [(config(r["config"]), r["ema"]) for r in rec["runs"]]:
+                regime = f"{c.targets}, {c.lr_schedule}"
+                if c.norm == "pre" and rec["chosen_lr"][f"pre, {regime}"] == c.lr:
+                    group.setdefault((c.n_layer, regime, normed), []).append((m, c.train_len))
+    if not group:
+        return
+    at = {k: [m["tvd"][2 * L - 1] for m, L in ms] for k, ms in group.items()}
+    fit = {k: mean([summarize(m, L)["tvd_train"] for m, L in ms]) for k, ms in group.items()}
+    rows = []
+    for k in sorted(group, key=lambda k: (k[0], k[1][0] == "e", k[2] == "no")):  # sampled first
+        ms, L, o = group[k], group[k][0][1], (*k[:2], "no" if k[2] == "yes" else "yes")
+        gs = [mean([m["logit_gap"][s - 1] * s for m, _ in ms]) for s in (L, 2 * L)]
+        rows.append([*k, f"{fit[k]:.4f} / {mean(at[k]):.4f} ({min(at[k]):.3f} - {max(at[k]):.3f})",
+                     ("outside" if max(at[k]) < min(at[o]) or min(at[k]) > max(at[o]) else "within")
+                     + ("; fits worse (P11)" if fit[k] > 2 * fit[o] else ""),
+                     f"{gs[0]:.2f}", f"{gs[1]:.2f}", f"{gs[1] / gs[0]:.2f}"])
+    text = "\n".join(["`pre` with and without its MLP norm: training-length TVD / TVD at 2 L "
+                      "(seeds' min - max), EMA 0.999, chosen rates; seed noise at 2 L against "
+                      "the other arm (fits worse: training-length TVD over twice its); logit gap "
+                      "x s, mean of seeds; rho = its ratio, 2 L over L.",
+                      ""] + md_table(["layers", "regime", "MLP norm", "`pre`", "seed noise",
+                                      "gap x s at L", "gap x s at 2 L", "rho"], rows))
+    print(text)
+    layers = sorted({k[0] for k in group})
+    fig, axes = new_figure(2, 5, 3.6, len(layers))   # a row per depth: gap x s, then the TVD
+    for k, ms in sorted(group.items()):   # mean of seeds; dashed: without the MLP norm
+        s, d = range(1, len(ms[0][0]["tvd"]) + 1), 2 * layers.index(k[0])
+        for ax, key in zip(axes[d:d + 2], ("logit_gap", "tvd")):
+            ax.plot(s, [mean([m[key][j - 1] * (j if key == "logit_gap" else 1) for m, _ in ms])
+                        for j in s], "--" if k[2] == "no" else "-", color="C1" if k[1][0] == "s"
+                    else "C0", label=f"{k[1]}, MLP norm: {k[2]}")
+            ax.set(title=f"{k[0]} layer(s)", ylabel=("logit gap x s" if key == "logit_gap" else
+                                                    "TVD") + " (EMA, mean of seeds)")
+    for ax in axes:
+        shade_training(ax, ms[0][1], len(s))
+    axes[0].legend(fontsize=7), fig.suptitle("pre with an MLP, with and without its MLP norm")
+    write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text, "mlp_norm.png": fig})
+
+
+# ------------------------------------------------------------------------------------ command line
 def comma_list(item, ok, wants):
     """An argparse type: distinct items separated by commas, each item(text) and ok(item)."""
     def parse(text):
@@ -1062,6 +1104,8 @@ def check_args(args, parser):
                 "suite": (256, "a language's limit")}.get(mode, (cfg.vocab - 1, "v - 1"))
     if mode != "search" and cfg.train_len > top:
         bad(f"--train-len must be at most {top} ({why}), got {cfg.train_len}")
+    if mode == "tables":
+        check_tables(args.tables, args.out, bad)
     if mode == "theory" and cfg.vocab > 256:
         bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
     suite_flags = {k: getattr(args, k) for k in given & set(SUITE_MODEL)}
@@ -1069,7 +1113,7 @@ def check_args(args, parser):
     device = pick_device(cfg.device)
     R.check_model(runs or [cfg], grid_workers(runs, device), bad,
                   4 * runs[0].train_len if mode == "suite" else None)
-    R.check_out(args.out or "runs", bad)
+    R.check_out(args.out, bad)
     if mode in GRIDS:
         out = os.path.abspath(args.out or "runs")
         check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume, bad)
@@ -1108,7 +1152,7 @@ def runs_line_problem(line, keys, planned, device):
     if not isinstance(r, dict) or (missing := sorted(keys - set(r))):
         return f"no key {missing[0]!r}" if isinstance(r, dict) else "not a JSON object"
     kinds = {k: (int, float) if type(v) is float else type(v) for k, v in asdict(Config()).items()}
-    c = r["config"]
+    c = {k: v for k, v in r["config"].items() if k != "bema"} if isinstance(r["config"], dict) else 0
     if not (isinstance(c, dict) and set(c) <= set(kinds) and isinstance(r["seconds"], (int, float))
             and all(isinstance(v, kinds[k]) for k, v in c.items())):
         return "a value of the wrong kind in its config or seconds"
@@ -1122,28 +1166,24 @@ def main(argv=None):
     """The lab's command line; exit status as resharpen.py's."""
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ["MPLBACKEND"] = "agg"   # figures are drawn off screen
-    parser = R.build_parser(FLAGS, [{f"--{m}" for m in MODE_FLAGS}], __doc__)
+    parser = R.build_parser(FLAGS, [{f"--{m}" for m in MODE_FLAGS}], __doc__, "--norms")
     mode, cfg, suite_flags = check_args(args := parser.parse_args(argv), parser)
     out = args.out or "runs"
     shown = [a for i, a in enumerate(argv) if not (a in ("--out", "--resume") or a.startswith(
         "--out=") or i and argv[i - 1] == "--out")]   # what changes no number
     command = shlex.join(["python", "plots/lab.py"] + shown)   # for the tables
-    global RUNS_FILE, RESUMED
-    RUNS_FILE, RESUMED = os.path.join(out, f"{mode}.runs.jsonl") if mode in GRIDS else None, 0
+    runs = RunsFile(os.path.join(out, f"{mode}.runs.jsonl")) if mode in GRIDS else None
     run = {"theory": lambda: theory(cfg.vocab, cfg.train_len, out),
            "tables": lambda: (depth_sweep(args.tables, out),   # and mlp_norm/ if it is there
                               mlp_norm_table(args.tables, os.path.join(out, "mlp_norm"))),
-           "compare": lambda: compare(cfg, out, command, args.norms, args.regimes, args.lrs),
-           "suite": lambda: suite(cfg, out, command, **suite_flags),
-           "alternatives": lambda: alternatives(cfg, out, command),
-           "search": lambda: search(cfg, out, args.search, command, args.lrs)}[mode]
+           "compare": lambda: compare(cfg, out, command, args.norms, args.regimes, args.lrs, runs),
+           "suite": lambda: suite(cfg, out, command, runs, **suite_flags),
+           "alternatives": lambda: alternatives(cfg, out, command, runs),
+           "search": lambda: search(cfg, out, args.search, command, args.lrs, runs)}[mode]
     kept = {130: "; the same command with --resume keeps the finished runs",
-            1: f" The finished runs are in {RUNS_FILE}."}
-    try:
-        R.stop(run, "lab.py", lambda code: kept[code] if resumable() else " Nothing was written."
-               * (code == 1))
-    finally:
-        RUNS_FILE = None
+            1: f" The finished runs are in {runs and runs.path}."}
+    R.stop(run, "lab.py", lambda code: kept[code] if runs and os.path.exists(runs.path) else
+           " Nothing was written." * (code == 1))
 
 
 if __name__ == "__main__":

@@ -36,10 +36,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def quick_evaluation(monkeypatch):
-    """Grids evaluate on 20 fixed inputs instead of 1000, and no grid reads another test's
-    runs file."""
+    """Grids evaluate on 20 fixed inputs instead of 1000."""
     monkeypatch.setattr(R, "EVAL_PERMS", 20)
-    monkeypatch.setattr(B, "RUNS_FILE", None)
 
 
 def expect_exit_2(argv, flag, capsys):   # the lab's command line
@@ -778,7 +776,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
 
 def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(B, "suite", lambda cfg, out, command, **kw: seen.update(kw))
+    monkeypatch.setattr(B, "suite", lambda cfg, out, command, runs_file, **kw: seen.update(kw))
     B.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
     assert seen == {"steps": 5, "lr": 0.01}
     assert {(c.steps, c.lr, c.vocab) for c in B.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
@@ -799,15 +797,15 @@ def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tm
     # Rerun the command named in the table's first line with run_grid answering from the
     # committed JSON instead of training: the code must write the committed table again.
     record = load(os.path.join("plots", table.replace(".md", ".json")))
-    runs = {R.Config(**r["config"]): {k: v for k, v in r.items() if k != "config"}
+    runs = {B.config(r["config"]): {k: v for k, v in r.items() if k != "config"}
             for r in record["runs"]}
     walls = [record["wall_seconds"]]   # the first grid's wall: the record's; a second one's: 0
     committed = read(os.path.join("plots", table))
     resumed = re.search(r", (\d+) of them resumed from an interrupted command", committed)
 
-    def from_json(configs, device, averages=None, later=0):
+    def from_json(configs, device, averages=None, later=0, runs_file=None):
         if resumed:   # run_grid counts the runs it took from a runs file (--resume)
-            monkeypatch.setattr(B, "RESUMED", int(resumed.group(1)))
+            runs_file.resumed = int(resumed.group(1))
         return [(c, runs[c], 0.0) for c in configs], walls.pop() if walls else 0.0, 2
     skip_rendering(monkeypatch)
     monkeypatch.setattr(B, "run_grid", from_json)
@@ -831,6 +829,13 @@ def assert_quoted(fragments, name="plots/README.md"):
         assert fragment in text, fragment
 
 
+def numbers_in(text):
+    """Every maximal run of digits and decimal points counts as one number (1/s: one, 2 L: one,
+    0.515: one); link targets and arXiv identifiers are addresses, not numbers."""
+    text = re.sub(r"arXiv\s+\[?[\d.]+", "arXiv", re.sub(r"\]\([^)]*\)", "]", text))
+    return re.findall(r"\d+(?:\.\d+)*", text)
+
+
 def test_the_readme_front_door_is_short_and_in_order():
     readme = read("README.md")
     opening = readme.split("\n## ", 1)[0].split("\n", 1)[1]
@@ -838,6 +843,12 @@ def test_the_readme_front_door_is_short_and_in_order():
     numbers = re.findall(r"(?<![\w.])\d+\.\d+|\d+ %", re.sub(r"\(https?://[^)]*\)|arXiv [\d.]+", "",
                                                             opening))
     assert len(numbers) <= 4, numbers
+    # it names the placements it speaks of, and which one is the paper's
+    said = " ".join(opening.split())
+    assert all(name in said for name in ("(`pre`, the theorem's model)", "(`post`, the paper's Post-Norm)",
+                                         "(`pre-final`, GPT-2's final norm)"))
+    # the first screen, lines 1-60: at most 45 numbers
+    assert len(first_screen := numbers_in("\n".join(readme.splitlines()[:60]))) <= 45, first_screen
     headings = [line for line in readme.splitlines() if line.startswith("## ")]
     assert headings == ["## The task, by hand", "## The idea", "## Run it", "## Findings",
                         "## Install", "## Tests and flags", "## Exercises", "## Answers",
@@ -891,7 +902,8 @@ def test_the_laws_in_the_trained_models_match_plots_compare_json():
     assert max(entropy[n] for n in ("pre", "pre-final", "post")) < 0.002
     seeds = {n: [mean(c) for c in zip(*[m["logit_gap"] for m in ema(n)])] for n in ("pre", "post")}
     assert_quoted([f"its gap falls from {seeds['pre'][0]:.2f} at s = 1 to {seeds['pre'][30]:.2f} at "
-                   f"s = 31 (3-seed means)", f"trained, it never falls below {min(seeds['post']):.2f}",
+                   f"s = 31 (3-seed means)", f"trained, it never falls below "
+                   f"{math.floor(100 * min(seeds['post'])) / 100:.2f} (3-seed mean)",
                    f"`post-residual` up to {entropy['post-residual']:.3f} below"], "README.md")
     gap = {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs if r["config"]["seed"] == 0}
     pre, post = gap["pre"], gap["post"]
@@ -987,20 +999,35 @@ def test_the_readme_findings_match_their_json():
                             == "pre" and r["config"]["bos"] == b and not r["config"]["dropout"]
                             and r["config"]["attn_scale"] == "none"] for b in (True, False))
     assert len(bos_seeds) == len(pre_seeds) == 3 and apart(bos_seeds, pre_seeds)
+    # the opening: one layer, sampled targets, constant rate, 2 L
+    pre, post = (cell(compare, sc, n, over=list) for n in ("pre", "post"))
+    assert two_l["post"] < two_l["pre"] / 5 and max(post) < min(pre)   # under a fifth, in all 3 seeds
+    assert two_l["pre-final"] < 1.15 * two_l["post"] and len(pre) == len(post) == 3   # about as low
+    assert_quoted([f"`post`'s error is under a fifth of `pre`'s ({two_l['post']:.3f} against "
+                   f"{two_l['pre']:.3f}, in all 3 seeds), `pre-final`'s about as low"], "README.md")
+    # P1's runs committed before P1: every run with sampled targets and a constant rate, and post's
+    runs = load("plots/compare.json")["runs"]
+    before = [r for r in runs if (r["config"]["targets"], r["config"]["lr_schedule"]) == ("sampled",
+              "constant") or r["config"]["norm"] == "post"]
+    assert_quoted([f"but {len(before)} of its {len(runs)} runs, the two quoted among them, were "
+                   "committed before P1 was written"], "README.md")
+    assert_quoted([f"{len(before)} of the {len(runs)} runs of `--compare`", f"{len(before)} of the "
+                   f"{len(runs)} runs were committed before P1: every run with sampled targets and a "
+                   "constant rate, and `post`'s in the other regimes"])
     findings = flat("README.md").split("## Findings", 1)[1].split("## Tests and flags", 1)[0]
     for fragment in [
-            f"at 2 L `pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f}",
+            f"`pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f} (sampled targets, constant rate)",
             f"sampled targets ({two_l['post']:.3f} against {two_l['pre-final']:.3f})",
             "it cuts the training-length TVD 3 to 6 times",
             f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations",
             f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
             f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})",
-            f"`pre-final` ahead of `post` at 2 L ({cell(tuned['summary'], sc, 'pre-final'):.3f} "
+            f"`pre-final` ahead of `post` ({cell(tuned['summary'], sc, 'pre-final'):.3f} "
             f"against {cell(tuned['summary'], sc, 'post'):.3f})",
             f"No detectable difference (median TVD(`pre-final`) / TVD(`post`) {T['median_ratio']:.2f})",
             f"its interval {T['median_ratio_95'][0]:.2f}–{T['median_ratio_95'][1]:.2f}",
             f"`post` {at_4l['post']:.2f}, `pre` {at_4l['pre']:.2f}, `pre-final` between",
-            f"a BOS sink helps a little ({bos} against {plain}, mean TVD over s = 13..31)",
+            f"a BOS sink helps a little (mean TVD beyond the training lengths {bos} against {plain})",
             "no difference is distinguishable from seed noise, not even against `pre`"]:
         assert fragment in findings, fragment
     chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
@@ -1008,8 +1035,10 @@ def test_the_readme_findings_match_their_json():
              if c["seed"] == 0 and (c["targets"], c["lr_schedule"]) == ("sampled", "constant")}
     below = [x for (n, lr), x in seed0.items() if n == "post" and lr < chosen["post"]]   # lower rates
     assert len(below) == 4 and max(below) < seed0["pre-final", chosen["pre-final"]]
-    assert_quoted([f"({min(below):.3f} to {max(below):.3f} against "
-                   f"{seed0['pre-final', chosen['pre-final']]:.3f})"], "README.md")
+    assert_quoted(["at each of its four lower rates `post` was below `pre-final`, on one seed"], "README.md")
+    assert_quoted([f"on seed 0 each of its four lower rates is below `pre-final` at its chosen rate: "
+                   f"{min(below):.3f} to {max(below):.3f} against "
+                   f"{seed0['pre-final', chosen['pre-final']]:.3f})"])
     t_post, t_final = ([mean(c) for c in zip(*[   # sampled, constant, at the chosen rate
         r["ema"]["tvd"] for r in tuned["runs"] if (r["config"]["norm"], r["config"]["lr"],
         r["config"]["targets"], r["config"]["lr_schedule"]) == (n, chosen[n], "sampled",
@@ -1033,11 +1062,22 @@ def test_the_findings_table_names_its_columns_and_grades_each_row_on_one_scale()
     rows = [line.strip("| ").split(" | ") for line in ("| " + table).splitlines() if line]
     assert rows[0] == ["question", "answer", "evidence", "notebook"] and len(rows) > 3
     assert all(f"**{word}**: " in above for word in STRENGTHS)   # each defined once, above
+    notebook = flat("plots/README.md")
     for question, answer, evidence, link in rows[2:]:
-        assert len(evidence) <= 250, question
+        # the answer: one sentence of at most 250 characters with at most two numbers
+        assert len(answer) <= 250 and len(numbers_in(answer)) <= 2, question
+        sentence = re.sub(r"\d\.\d", "", answer)   # decimal points are not full stops
+        assert sentence.endswith(".") and "." not in sentence[:-1], question   # one sentence
+        assert len(evidence) <= 200, question
         words = [w for w in STRENGTHS if re.search(rf"\b{w}\b", evidence)]
         assert len(words) == 1 and evidence.startswith(f"**{words[0]}**: "), question
         assert link.startswith("[§") and question.endswith("?")
+        # strong only on predictions the notebook calls held without a qualifier
+        if words[0] == "strong":
+            cited = re.findall(r"\bP(\d+)\b", evidence)
+            assert cited and all(f"**P{n} held**" in notebook for n in cited), question
+        if "P1 " in evidence:   # P1's earlier runs disclosed wherever P1 is cited
+            assert "committed before P1 was written" in evidence, question
 
 
 def test_no_command_in_the_documents_writes_over_the_committed_plots():
@@ -1149,8 +1189,9 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
                    "the 8", f"({best[1, 'sampled']['post']:.4f}) is below `pre`'s lowest "
                    f"({best[1, 'sampled']['pre']:.4f}, at its chosen 0.00316)"])
     assert max(A["pre"][:5]) < min(A["pre-final"][:5]) and max(s31["post"]) < min(s31["pre-final"])
-    assert_quoted([f"by {min(ratios):.2f} to {max(ratios):.2f} times the next", f"`pre` is lowest in "
-                   f"{lowest['pre']} of the 24 (depth, regime, rate) cases"], "README.md")
+    assert_quoted([f"`pre` is lowest at every depth in both regimes run, by {min(ratios):.2f} to "
+                   f"{max(ratios):.2f} times the next placement", f"outside seed noise in {outside} of 8 "
+                   "cases"], "README.md")
 
 
 def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_path, monkeypatch):
@@ -1196,8 +1237,8 @@ def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_pat
         f"{math.sqrt(24 / 8) / math.sqrt(12 / 20):.2f}".replace("\n", " "),
         *(f"10 runs, {load(f'plots/mlp_norm/layers{d}/compare.json')['wall_seconds']:.0f} s" for d in (1, 2))])
     assert f"{gs[(*one, 'without')][1]:.2f}" == f"{gs[(*one, 'without')][0]:.2f}"   # flat: 1/s
-    assert_quoted([f"rises from {mean(at[(*one, 'with')]):.3f} to {mean(at[(*one, 'without')]):.3f}",
-                   f"with exact ones it falls {100 * (1 - ex[-1] / ex[0]):.0f} %"], "README.md")
+    assert_quoted([f"its TVD rises from {mean(at[(*one, 'with')]):.3f} to {mean(at[(*one, 'without')]):.3f} "
+                   "(sampled targets, constant rate)"], "README.md")
     q = {k: f"{v:.2f}" for k, v in rho.items()}
     assert_quoted([f"{q[1, 'sampled, constant', 'with']} and {q[1, 'exact, cosine', 'with']} with the norm, "
                    f"{q[1, 'sampled, constant', 'without']} and {q[1, 'exact, cosine', 'without']} without",
@@ -1212,7 +1253,7 @@ SPLITS = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate",
 
 def test_notebook_search_numbers_match_plots_search_json():
     record = load("plots/search.json")
-    h, configs = record["summary"], [R.Config(**r["config"]) for r in record["runs"]]
+    h, configs = record["summary"], [B.config(r["config"]) for r in record["runs"]]
     assert len(record["runs"]) == 3 * B.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == B.SEARCH_N
     P, Q, A = h["pre-final"]["ema"]["all"], h["pre-final"]["raw"]["all"], h["pre"]["ema"]["all"]
     losses = B.search_losses([configs[3 * i:3 * i + 3] for i in range(B.SEARCH_N)],
@@ -1237,7 +1278,7 @@ def test_notebook_search_numbers_match_plots_search_json():
 def test_notebook_and_readme_numbers_match_the_search_with_mlps():
     # P11 items 4-5: plots/search_mlp, 30 configurations x 4 arms, drawn as search_configs draws
     record = load("plots/search_mlp/search.json")
-    configs = [R.Config(**r["config"]) for r in record["runs"]]
+    configs = [B.config(r["config"]) for r in record["runs"]]
     assert configs == [c for g in B.search_configs(30, 0, None, True) for c in g]
     h, groups = record["summary"], [configs[4 * i:4 * i + 4] for i in range(30)]
     results = {c: r for c, r in zip(configs, record["runs"])}
@@ -1262,8 +1303,10 @@ def test_notebook_and_readme_numbers_match_the_search_with_mlps():
                    f"in 3 the\ndifference is under 2 % and in 8 under 5 %, and in one the arm without the norm diverged\n"
                    f"(training TVD {max(t for _, t in pairs):.3f})".replace("\n", " ")])
     assert [sum(math.exp(x) < c for x, _ in pairs) for c in (1.02, 1.05)] == [3, 8]
-    assert_quoted([f"beats `pre-final` in {P['pre_wins']} of 30 (median ratio {P['median_ratio']:.2f}) and `post` in "
-                   f"{S['pre_wins']}", f"in {N['pre_wins']} of 30 (median ratio {N['median_ratio']:.2f})"], "README.md")
+    assert N["pre_wins"] == N["n"] == 30 and P["sign_p"] > 0.05 < S["sign_p"]   # none detectably best
+    p = "{:.0e}".format(N["sign_p"]).replace("e-0", "e-")   # 2e-9
+    assert_quoted([f"(`pre` beats `pre-final` in {P['pre_wins']} of 30), but `pre` beats `pre` without "
+                   f"the norm before its MLP in every configuration", f"(sign test p = {p})"], "README.md")
 
 
 def test_notebook_tuned_search_numbers_match_plots_search_tuned():
@@ -1272,11 +1315,11 @@ def test_notebook_tuned_search_numbers_match_plots_search_tuned():
     record = load("plots/search_tuned/search.json")
     P, Q = (record["summary"]["pre-final"][avg]["all"] for avg in ("ema", "raw"))
     lrs = (0.001, 0.00316, 0.01)
-    configs = [[R.Config(**r["config"]) for r in record["runs"][6 * i:6 * i + 6]]
+    configs = [[B.config(r["config"]) for r in record["runs"][6 * i:6 * i + 6]]
                for i in range(24)]
     assert [c for group in configs for c in group] == [
         c for group in B.search_configs(24, 1000, lrs) for c in group]   # every run is there
-    results = {R.Config(**r["config"]): r for r in record["runs"]}
+    results = {B.config(r["config"]): r for r in record["runs"]}
     best = [B.search_arms(group, results) for group in configs]
     chosen = Counter((arm, c.lr) for b in best for arm, (c, _) in b.items())
     train = lambda arm, b: R.summarize(b[arm][1]["ema"], b[arm][0].train_len)["tvd_train"]  # noqa
