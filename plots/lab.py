@@ -1159,7 +1159,16 @@ def runs_line_problem(line, keys, planned, device):
     c = Config(**c)   # what differs from the nearest run of this command:
     why = min(([f"{k} {getattr(c, k)!r}" for k in kinds if getattr(c, k) != getattr(p, k)]
                for p in planned), key=len) + [f"run on {r['device']}"] * (r["device"] != device)
-    return "its " + ", ".join(why) if why else None
+    if why:
+        return "its " + ", ".join(why)
+    n = len(make_task(c).eval_inputs(1)[0])   # every length and every metric evaluate() writes
+    want = {"length", "tvd", "invalid_mass", "kl", "logit_gap", "attn_entropy", "log_positions",
+            *[f"attn_entropy_layer{i}" for i in range(1, c.n_layer + 1) if c.n_layer > 1]}
+    if not all(isinstance(m := r[a], dict) and set(m) == want and all(
+            isinstance(xs, list) and len(xs) == n and all(type(x) in (int, float) and
+                                                         math.isfinite(x) for x in xs)
+            for xs in m.values()) for a in keys - {"config", "device", "seconds"}):
+        return f"a metric that is not {n} finite numbers"
 
 
 def main(argv=None):

@@ -673,9 +673,10 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
     # Without --resume, with other flags, or with a line that is not a run of this grid: one
     # line, exit 2, nothing trained and the file as it was.
     argv = ["--compare", "--norms", "pre", "--regimes", "exact/cosine", "--out", str(tmp_path)]
-    run = {"config": R.asdict(B.compare_grid(R.Config(steps=2, batch_size=4, n_embd=8, device="cpu"),
-                                             ("pre",), (("exact", "cosine"),))[0]),
-           "device": "cpu", "seconds": 1.0, "raw": {}, "ema": {}, "bema": {}}
+    cfg = B.compare_grid(R.Config(steps=2, batch_size=4, n_embd=8, device="cpu"), ("pre",),
+                         (("exact", "cosine"),))[0]
+    m = R.evaluate(R.Transformer(cfg), n_perm=2)   # every metric, at s = 1 .. 31
+    run = {"config": R.asdict(cfg), "device": "cpu", "seconds": 1.0, "raw": m, "ema": m, "bema": m}
     alien = [None, {**run, "config": {**run["config"], "old_key": 1}}, {"config": run["config"]},
              {k: v for k, v in run.items() if k != "bema"}, {**run, "device": "cuda"}]
     path = tmp_path / "compare.runs.jsonl"
@@ -687,7 +688,12 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
                                                                  "line 2: not a run")] + [
             ([run, x], ["--resume"], why) for x, why in [("", "(it is blank)"), ("\ufeff" + json.dumps(
                 run), "byte-order mark"), ({**run, "seconds": "3"}, "wrong kind"), ({
-                k: v for k, v in run.items() if k != "raw"}, "(no key 'raw')")]] + [
+                k: v for k, v in run.items() if k != "raw"}, "(no key 'raw')")] + [
+                (edited, "(a metric that is not 31 finite numbers)") for edited in [
+                    {**run, "ema": {**m, "tvd": m["tvd"][1:]}}, {**run, "raw": {**m, "kl": None}},
+                    {**run, "bema": {**m, "tvd": ["0.1"] * 31}}, {**run, "ema": {**m, "gap": m["tvd"]}},
+                    {**run, "raw": {k: v for k, v in m.items() if k != "logit_gap"}},
+                    {**run, "ema": {**m, "kl": [math.nan] * 31}}]]] + [
             ([run], ["--resume", "utf-16"], "not UTF-8 text"), (["\ufeff{}"], ["--resume"], "mark")]:
         text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
         path.write_bytes(text.encode("utf-16" if "utf-16" in flags else "utf-8"))
@@ -756,6 +762,41 @@ def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
 
 def test_the_lab_sets_the_thread_policy_as_the_reference_does(monkeypatch):
     T.test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch, "plots/lab.py")
+
+
+def test_theory_draws_every_hand_built_model_on_its_formula(tmp_path, monkeypatch, capsys):
+    # python plots/lab.py --theory: the four hand-built models of Part 1 against predicted_margin,
+    # each scaled to margin 6 at s = L; the printed differences are float64's, theory.png written.
+    skip_rendering(monkeypatch)
+    B.main(["--theory", "--vocab", "10", "--train-len", "3", "--out", str(tmp_path)])
+    lines = [x for x in capsys.readouterr().out.splitlines() if "largest relative" in x]
+    assert [x.split()[0] for x in lines] == list(R.NORMS)
+    assert all(float(x.rsplit(" ", 1)[1]) < 1e-9 for x in lines)
+    at_1 = [B.predicted_margin(10, n, 1, 6 / B.predicted_margin(10, n, 3)) for n in R.NORMS]
+    assert [x.split()[2] for x in lines] == [f"{m:.3f}" for m in at_1]
+    assert os.listdir(tmp_path) == ["theory.png"]
+
+
+def test_tables_refuses_a_root_or_out_it_cannot_use_before_writing(tmp_path, capsys):
+    # --tables ROOT: a missing, empty or file ROOT, the repository root, a compare.json that is no
+    # grid record, an ablation whose partner ran without --lrs, --out holding a file named mlp_norm.
+    root, out = tmp_path / "r", tmp_path / "out"
+    (tmp_path / "empty").mkdir()
+    for argv, said in [(["nope"], "no depthN/compare.json"), ([str(tmp_path / "empty")], "no depthN"),
+                       ([os.path.join(HERE, "README.md")], "no depthN"), ([HERE], "no depthN")]:
+        expect_exit_2(["--tables", *argv, "--out", str(out)], said, capsys)
+    (root / "depth1").mkdir(parents=True)
+    (root / "depth1" / "compare.json").write_text("[]", encoding="utf-8")
+    expect_exit_2(["--tables", str(root), "--out", str(out)], "is not a record of", capsys)
+    for name in ("depth1", "mlp_norm/layers1"):
+        os.makedirs(root / name, exist_ok=True)
+        (root / name / "compare.json").write_text(read("plots/compare.json"), encoding="utf-8")
+    expect_exit_2(["--tables", str(root), "--out", str(out)], "a grid without --lrs", capsys)
+    os.remove(root / "mlp_norm" / "layers1" / "compare.json")
+    out.mkdir()
+    (out / "mlp_norm").write_text("my notes", encoding="utf-8")
+    expect_exit_2(["--tables", str(root), "--out", str(out)], "mlp_norm there is a file", capsys)
+    assert os.listdir(out) == ["mlp_norm"]
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
@@ -1078,6 +1119,56 @@ def test_the_findings_table_names_its_columns_and_grades_each_row_on_one_scale()
             assert cited and all(f"**P{n} held**" in notebook for n in cited), question
         if "P1 " in evidence:   # P1's earlier runs disclosed wherever P1 is cited
             assert "committed before P1 was written" in evidence, question
+
+
+def documented_commands():
+    """(document, program, argv) of every `python resharpen.py ...` and `python plots/lab.py ...`
+    in the three documents, in backticks or code blocks; not in the pre-registered **Protocol
+    paragraphs (quoted as committed) nor the old spellings the notebook maps (`old`, now `new`)."""
+    for doc in ("README.md", "theory.md", "plots/README.md"):
+        text = "\n\n".join(p for p in read(doc).split("\n\n") if not p.startswith("**Protocol"))
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+        flat = " ".join(re.sub(r"```[a-z]*\n.*?```", " ", text, flags=re.S).split())
+        found = re.findall(r"`(python (?:resharpen|plots/lab)\.py[^`]*)`(?!, now)", flat) + [
+            line.split("#")[0] for b in blocks for line in b.splitlines()
+            if line.startswith(("python resharpen.py", "python plots/lab.py"))]
+        for command in found:
+            yield doc, *shlex.split(command)[1:2], shlex.split(command)[2:]
+
+
+def test_every_command_in_the_documents_is_accepted_by_its_program(tmp_path, monkeypatch):
+    # Parsed and checked as each program checks its input (into a scratch --out and --save).
+    monkeypatch.chdir(HERE)   # the commands run from the repository root
+    commands = list(documented_commands())
+    assert len(commands) >= 20 and {p for _, p, _ in commands} == {"resharpen.py", "plots/lab.py"}
+    for doc, program, argv in commands:
+        argv = [str(tmp_path / f"{i}.pt") if i and argv[i - 1] == "--save" else str(tmp_path) if i
+                and argv[i - 1] == "--out" else a for i, a in enumerate(argv)]
+        if program == "resharpen.py":
+            parser = R.build_parser()
+            check = R.check_args
+        else:
+            parser = R.build_parser(B.FLAGS, [{f"--{m}" for m in B.MODE_FLAGS}], B.__doc__, "--norms")
+            check = B.check_args
+        parser.error = lambda msg: pytest.fail(f"{doc}: python {program} {shlex.join(argv)}: {msg}")
+        if argv and "--help" not in argv:   # --help prints the flags and exits 0
+            check(parser.parse_args(argv), parser)
+
+
+def test_theory_md_names_the_file_of_each_lab_flag_name_and_test_it_cites():
+    # A flag or name only the lab has is called the lab's, or plots/lab.py's, within its sentence;
+    # every flag is one of a program's; every test is where the claims table says (†: the lab's).
+    text = " ".join(read("theory.md").split())
+    ours, labs = {f[0] for f in R.FLAGS}, {f[0] for f in B.FLAGS}
+    for m in re.finditer(r"`(--[a-z-]+)", text):
+        assert m.group(1) in ours | labs, m.group(1)
+        if m.group(1) not in ours:
+            assert "lab" in text[max(0, m.start() - 60):m.end() + 60], text[m.start() - 60:m.end()]
+    for m in re.finditer(r"`([A-Za-z_]\w*)[(.`]", text):
+        if hasattr(B, m.group(1)) and not hasattr(R, m.group(1)):
+            assert "lab" in text[max(0, m.start() - 60):m.end() + 60], text[m.start() - 60:m.end()]
+    for name, mark in re.findall(r"`(test_\w+)`(†?)", text):
+        assert callable(getattr(sys.modules[__name__] if mark else T, name, None)), name
 
 
 def test_no_command_in_the_documents_writes_over_the_committed_plots():
