@@ -527,9 +527,6 @@ def finite(metrics):
     return all(math.isfinite(x) for key, xs in metrics.items() if key != "length" for x in xs)
 
 
-RUN_FILES = ("length.png", "loss.png", "metrics.json")   # what a run writes into --out
-
-
 def run_one(cfg, out, save=None):
     """python resharpen.py [flags]: train, evaluate, print the table, write metrics and figures."""
     task, L = SetComplement(cfg), cfg.train_len
@@ -557,8 +554,9 @@ def run_one(cfg, out, save=None):
               "train_seconds": round(train_time, 2)}
     if raw:
         record["raw"] = {**raw, "summary": r}
-    written = write_outputs(out, dict(zip(RUN_FILES, [
-        plot_length(metrics, cfg, raw, average), plot_loss(losses, task.loss_floor()), record])))
+    written = write_outputs(out, {"length.png": plot_length(metrics, cfg, raw, average),
+                                  "loss.png": plot_loss(losses, task.loss_floor()),
+                                  "metrics.json": record})
     if save:
         save_checkpoint(save, model, averages[0] if averages else None, cfg)
         written.append(save)
@@ -624,7 +622,7 @@ def handout(args, parser):
     if there := [f for f in HANDOUT if os.path.lexists(os.path.join(out, f))]:
         parser.error(f"--out {out}: it already holds {there[0]}; --handout writes only into a "
                      "folder without exercises.md, starter.py and grade.py")
-    probe(out, os.path.join(out, f".{os.getpid()}.probe"), "--out", parser.error)
+    check_out(args.out, parser.error)
     section = Path(here, "README.md").read_text("utf-8").split("\n## Exercises\n", 1)[1].split(
         "\n## ", 1)[0]   # to the next section
     kept = [p for p in section.split("\n\n") if not p.lstrip().startswith("*For the teacher")]
@@ -656,7 +654,7 @@ FLAGS = [   # (flag, a type, a list of choices or bool for a switch, help); ever
     ("--norm", list(NORMS), "where the LayerNorm sits, below"),
     ("--post-norm", dict(action="store_const", dest="norm", const="post"), "same as --norm post"),
     ("--ema", float, "weight EMA decay; 0 = off"),
-    ("--save", str, "write a checkpoint (config, raw and averaged weights) to this file"),
+    ("--save", str, "write a checkpoint (config, raw and averaged weights) to this new .pt file"),
     ("--handout", bool, "write a class's exercise sheet, starter file and graders"),  # not in starter.py
 ]
 LIMITS = {"vocab": (3, 1024), "train_len": (1, 1024), "n_layer": (1, 16), "n_head": (1, 64),

@@ -26,8 +26,7 @@ REFERENCE = R   # the graders' default module (grade.py, written by --handout, h
 
 @pytest.fixture(autouse=True)
 def quick_evaluation(monkeypatch):
-    """Commands and grids evaluate on 20 fixed inputs instead of 1000 (tests of their numbers
-    call evaluate() with their own n_perm)."""
+    """Commands and grids evaluate on 20 fixed inputs, not 1000 (tests of numbers pass n_perm)."""
     monkeypatch.setattr(R, "EVAL_PERMS", 20)
 
 
@@ -49,8 +48,7 @@ def randomize(model, seed=0):
 
 
 def skip_rendering(monkeypatch):
-    """Figures are built but not rendered (rendering is most of their time, and is tested by
-    the main command's test): savefig writes a stub."""
+    """Figures are built, not rendered: savefig writes a stub (the main command's test renders)."""
     from matplotlib.figure import Figure
     monkeypatch.setattr(Figure, "savefig", lambda self, f, **kw: open(f, "wb").close())
 
@@ -73,25 +71,23 @@ def attention_by_hand(x, attn):
     (T, C), hs = x.shape, x.shape[1] // attn.n_head
     Wq, Wk, Wv = attn.c_attn.weight.split(C, dim=0)  # each (C, C): out x in
     out = torch.zeros(T, C)
-    for t in range(T):
-        for h in range(attn.n_head):
-            sl = slice(h * hs, (h + 1) * hs)
-            scores = torch.stack([(Wq[sl] @ x[t]) @ (Wk[sl] @ x[i]) / math.sqrt(hs)
-                                  for i in range(t + 1)])
-            w = torch.exp(scores - scores.max())
-            out[t, sl] = sum(w[i] / w.sum() * (Wv[sl] @ x[i]) for i in range(t + 1))
+    for t, h in itertools.product(range(T), range(attn.n_head)):
+        sl = slice(h * hs, (h + 1) * hs)
+        scores = torch.stack([(Wq[sl] @ x[t]) @ (Wk[sl] @ x[i]) / math.sqrt(hs)
+                              for i in range(t + 1)])
+        w = torch.exp(scores - scores.max())
+        out[t, sl] = sum(w[i] / w.sum() * (Wv[sl] @ x[i]) for i in range(t + 1))
     return out @ attn.c_proj.weight.T
 
 
 class MultiHeadOracle(torch.nn.Module):
-    """Outputs log p* (seen tokens at -1e9). patterns[l][h] is layer l, head h's attention:
+    """Outputs log p* (seen tokens at -1e9); patterns[l][h] is layer l, head h's attention:
     'uniform' (1/s on each of the s positions seen) or 'self' (all on the last one)."""
 
     def __init__(self, vocab, patterns):
         super().__init__()
-        self.patterns = patterns
+        self.patterns, self.dummy = patterns, torch.nn.Parameter(torch.zeros(1))
         self.cfg = R.Config(vocab=vocab, n_layer=len(patterns), n_head=len(patterns[0]))
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, idx, return_attn=False):
         logits = R.SetComplement(self.cfg).target(idx).clamp_min(1e-30).log().clamp_min(-1e9)
@@ -113,17 +109,14 @@ def ones_complement(v):
 
 def text_model(E, U, W_V, W_O=None, W_Q=None, W_K=None, n_head=1, input_ln=False,
                bos=False, attn_scale="none"):
-    """The script's one-layer Transformer ('pre' block) holding theory.md's row-vector
-    matrices: E (v, n), W_Q, W_K (default 0), W_V, W_O (default I) (n, n; heads side by side),
-    U (n, v). nn.Linear stores (out, in), the transpose of the text's (in, out). Without
-    input_ln the block's LayerNorm is replaced by the identity: the minimal model x + Attn(x)
-    of section 1. With bos, E has one more row, BOS's."""
+    """theory.md's one-layer model ('pre' block) from its row-vector matrices E (v, n; BOS's row
+    last with bos), U (n, v), W_V, W_O (default I), W_Q, W_K (default 0); no norm but input_ln."""
     (v_rows, n), zero = E.shape, torch.zeros(E.shape[1], E.shape[1], dtype=DT)
     W_Q, W_K = zero if W_Q is None else W_Q, zero if W_K is None else W_K
     W_O, v = torch.eye(n, dtype=DT) if W_O is None else W_O, v_rows - bos
     model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
                                    bos=bos, attn_scale=attn_scale)).double().requires_grad_(False)
-    model.wte.weight.copy_(E)
+    model.wte.weight.copy_(E)   # nn.Linear stores (out, in): the transposes of the text's matrices
     model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
     model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
     model.lm_head.weight.copy_(U.T)
@@ -155,8 +148,7 @@ def eps_0(model):
 
 
 def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
-    """For s = 1 .. v-1 (or up_to): the margin (unseen minus seen logit), after checking that
-    the logits are balanced (all seen equal, all unseen equal) on n_perm random inputs."""
+    """The margins at s = 1 .. v-1 (or up_to), checked balanced and equal on n_perm inputs."""
     perm = permutations(n_perm, v, seed)[:, : v - 1]
     logits = model(perm)
     out = []
@@ -168,11 +160,9 @@ def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
 
 
 def balance_equations(v, alpha=None, B_zero=False, b=None):
-    """Lengths 1 and 2 (theory.md 2.1) as a matrix on the unknowns (B, D, m_1, m_2):
-    (B[x] + D[x] + m_1 e_x) P = 0, (B[y] + a D[x] + (1 - a) D[y] + m_2 (e_x + e_y)) P = 0,
-    a = alpha[y][x]; with B_zero, also B = 0. With b (Appendix E.3), a BOS token whose score
-    is b above the others (all equal): weights p_s = e^b / (e^b + s) on BOS, q_s = 1 / (e^b + s)
-    on each seen token, unknowns (B, D, D_0, m_1, m_2), and p_s D_0 joins each equation."""
+    """theory.md 2.1's equations at lengths 1 and 2 as a matrix on (B, D, m_1, m_2), with the split
+    alpha[y][x] (default even); B_zero adds B = 0. With b, Appendix E.3's BOS scored b above the
+    seen tokens, on (B, D, D_0, m_1, m_2)."""
     P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     e, k = (0.0, 2 * v * v + 2) if b is None else (math.exp(b), 2 * v * v + v + 2)
     q1, q2 = 1 / (e + 1), 1 / (e + 2)
@@ -198,12 +188,10 @@ def null_space(A, tol=1e-9):
 
 
 def uneven_split_model(v, b, m2=1.0):
-    """Section 2's counterexample, width n = head dim = v - 1, no norm: E = Q, scores with
-    a bonus b for the token's own key, W_V W_O = mu I, U = nu Q^T, with a = 1/(1 + e^b),
-    nu = m2 (1 - 2a) / a and mu = -1 / (1 - 2a)."""
+    """Appendix A's counterexample (width v - 1, no norm): E = Q, own-key bonus b (split
+    a = 1/(1 + e^b)), W_V W_O = mu I, U = nu Q^T; nu = m2 (1 - 2a) / a, mu = -1 / (1 - 2a)."""
     Q, n, a = ones_complement(v), v - 1, 1 / (1 + math.exp(b))
-    nu, mu = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a)
-    eye = torch.eye(n, dtype=DT)
+    nu, mu, eye = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a), torch.eye(n, dtype=DT)
     # score(y, x) = Q[y] (b sqrt(n) I) Q[x]^T / sqrt(n) = b (1[x = y] - 1/v)
     return text_model(Q, nu * Q.T, eye, mu * eye, W_Q=b * math.sqrt(n) * eye, W_K=eye), mu, nu
 
@@ -226,14 +214,16 @@ def width_2v_minus_2(v, delta):
             torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)]))
 
 
-def margins_with_eps_0(v, norm, gamma=1.0):
-    return margins_at_every_length(eps_0(R.hand_built(v, norm, gamma)), v, n_perm=2)
+def margins_with_eps_0(v, norm, gamma=1.0, n_perm=2):
+    return margins_at_every_length(eps_0(R.hand_built(v, norm, gamma)), v, n_perm=n_perm)
 
 
 def post_norm_with_values(v, values, norm_cls):
-    """hand_built(v, 'post') with value u_x = values[x] (a row of R^n) and LayerNorm or
-    RMSNorm (eps = 0) on the attention output."""
+    """hand_built(v, 'post') with token x's value values[x] (None: one-hot, e_x) and an eps-0
+    LayerNorm ('layer') or RMSNorm ('rms') on the attention output."""
     n, model = 2 * v, R.hand_built(v, "post")
+    if values is None:
+        values = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
     with torch.no_grad():
         model.blocks[0].attn.c_attn.weight[2 * n:3 * n, v:] = values.T   # (out, in) layout
     model.blocks[0].ln_1 = (torch.nn.RMSNorm(n, eps=0.0) if norm_cls == "rms"
@@ -242,21 +232,16 @@ def post_norm_with_values(v, values, norm_cls):
 
 
 def fit_lengths_1_2(v, n, h, steps=1500, seed=0):
-    """theory.md, Appendix A: fit the minimal model f(t) = B[t_s] + mean_i D[t_i] (uniform
-    attention, no norm), with B = E U and D = E W_V W_O U (widths n, h), to balanced
-    logits at lengths 1 and 2 with m_1 = 2, m_2 = 1: -2 e_x for (x), -(e_x + e_y) for
-    (x, y), each up to a constant. Returns the root-mean-square residual (Adam, cosine
-    decay). It assumes the even split and m_1 = 2 m_2."""
+    """theory.md, Appendix A: the RMS residual of f(t) = B[t_s] + mean_i D[t_i] (widths n, h; Adam,
+    cosine decay) fitted to lengths 1 and 2 with m_1 = 2, m_2 = 1 (the even split)."""
     g = torch.Generator().manual_seed(seed)
     init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()  # noqa
     E, W_V, W_O, U = init(v, n), init(n, h), init(h, n), init(n, v)
-    eye = torch.eye(v)
-    x, y = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y]).T
+    eye, (x, y) = torch.eye(v), torch.tensor(list(itertools.permutations(range(v), 2))).T
     opt = torch.optim.Adam([E, W_V, W_O, U], lr=0.02)
     center = lambda f: f - f.mean(-1, keepdim=True)   # noqa: E731  logits up to a constant
     for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = 0.01 * (1 + math.cos(math.pi * step / steps))
+        opt.param_groups[0]["lr"] = 0.01 * (1 + math.cos(math.pi * step / steps))
         B, D = E @ U, E @ W_V @ W_O @ U
         length_1 = center(B + D + 2 * eye)                              # input (x)
         length_2 = center(B[y] + (D[x] + D[y]) / 2 + eye[x] + eye[y])   # input (x, y)
@@ -268,25 +253,20 @@ def fit_lengths_1_2(v, n, h, steps=1500, seed=0):
 
 
 def relative_to_unseen(row, tokens):
-    """Last-position logits minus the unseen tokens' logit (after checking that all unseen
-    tokens share one logit): a vector that is 0 off the input."""
+    """Last-position logits minus the unseen tokens' (checked equal) logit: 0 off the input."""
     unseen = [x for x in range(row.shape[-1]) if x not in tokens]
     assert (row[unseen] - row[unseen[0]]).abs().max() < 1e-10
     return row - row[unseen[0]]
 
 
 def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
-    """Width 2v, E[x] = e_(v+x); scores S(y, x) = Delta [x = y] (an own-key bonus: a split
-    alpha = 1 / (1 + e^Delta) for every pair); values copy the token into the first half;
-    U reads the first half with -1 (D = -I, delta = 1) and the second with 1 - 2 alpha
-    (B = (1 - 2 alpha) I): Theorem 1's balanced solution at lengths 1 and 2 for split alpha
-    (m_1 = 2 alpha, m_2 = alpha). With alpha None, U = 0 (to measure the split first)."""
+    """Width 2v, E[x] = e_(v+x), scores Delta [x = y] (split alpha = 1 / (1 + e^Delta)), D = -I,
+    B = (1 - 2 alpha) I: Theorem 1's balanced solution for split alpha. alpha None: U = 0."""
     n, eye = 2 * v, torch.eye(v, dtype=DT)
     E = torch.cat([0 * eye, eye], 1)
     W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
     W_Q[v:, v:] = Delta * math.sqrt(n) * eye      # q.k / sqrt(n) = Delta [x = y]
-    W_K[v:, v:] = eye
-    W_V[v:, :v] = eye                             # value of x: e_x in the first half
+    W_K[v:, v:] = W_V[v:, :v] = eye               # value of x: e_x in the first half
     U = torch.cat([-eye, (1 - 2 * alpha) * eye]) if alpha is not None else 0 * E.T
     return text_model(E, U, W_V, None, W_Q, W_K, attn_scale=attn_scale)
 
@@ -294,7 +274,7 @@ def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
 def length_2_split(model, v):
     """alpha[y, x], the weight the last token y puts on x at input (x, y) (head 0); the
     diagonal 1/2, so that alpha / (1 - alpha) is Lemma A's Omega with Omega(y, y) = 1."""
-    pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
+    pairs = torch.tensor(list(itertools.permutations(range(v), 2)))
     alpha = torch.full((v, v), 0.5, dtype=DT)
     with torch.no_grad():
         alpha[pairs[:, 1], pairs[:, 0]] = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
@@ -302,8 +282,7 @@ def length_2_split(model, v):
 
 
 def margin_c(v, norm, s, gamma=1.0, eps=1e-5):
-    """Appendices C.1-C.3's margins of the hand-built models (n = 2v), written from theory.md
-    (the lab's predicted_margin is tested against it)."""
+    """The margins of hand_built(v, norm, gamma) (n = 2v), written from theory.md C.1-C.3."""
     n = 2 * v
     var_1 = (n - 1) / n**2 + eps
     if norm == "pre":
@@ -331,6 +310,7 @@ def expect_exit_2(argv, flag, capsys, main=R.main):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
 
+
 def student_file(tmp_path, monkeypatch, source):
     (tmp_path / "mine.py").write_text(source, encoding="utf-8")
     monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
@@ -348,8 +328,7 @@ def test_batches_are_prefixes_of_permutations_and_next_token_is_unseen():
         seq = row_x + row_y[-1:]
         assert len(set(seq)) == len(seq) and all(0 <= t < cfg.vocab for t in seq)
         assert row_y[:-1] == row_x[1:]                 # y is x shifted by one
-        for t, nxt in enumerate(row_y):
-            assert nxt not in row_x[: t + 1]
+        assert all(nxt not in row_x[: t + 1] for t, nxt in enumerate(row_y))
 
 
 def test_next_token_is_uniform_over_unseen_tokens():
@@ -365,18 +344,17 @@ def test_exact_target_matches_a_loop_over_tokens():
     v, task = 6, R.SetComplement(R.Config(vocab=6))
     idx = task.sample(10, v - 1, torch.Generator().manual_seed(2))
     p = task.target(idx)
-    for b in range(idx.shape[0]):
-        for t in range(v - 1):
-            seen = set(idx[b, : t + 1].tolist())
-            want = [0.0 if i in seen else 1.0 / (v - len(seen)) for i in range(v)]
-            assert torch.allclose(p[b, t], torch.tensor(want), atol=1e-7)
+    for b, t in itertools.product(range(idx.shape[0]), range(v - 1)):
+        seen = set(idx[b, : t + 1].tolist())
+        want = [0.0 if i in seen else 1.0 / (v - len(seen)) for i in range(v)]
+        assert torch.allclose(p[b, t], torch.tensor(want), atol=1e-7)
     assert torch.allclose(p.sum(-1), torch.ones(10, v - 1))
 
 
 @pytest.mark.parametrize("v", [3, 4, 5])
 def test_lemma_0_two_or_three_basis_vectors_equal_to_a_constant(v):
-    # The map k -> (sum_i k_i e_(x_i)) P has null space {0} for two tokens, and for three
-    # tokens {0} if v >= 4 and the multiples of (1, 1, 1) if v = 3. Brute force: its SVD.
+    # theory.md, Lemma 0, by brute force (the SVD of k -> (sum_i k_i e_(x_i)) P): null space {0}
+    # for two tokens; for three, {0} if v >= 4 and the multiples of (1, 1, 1) if v = 3.
     P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     for tokens in itertools.permutations(range(v), 2):
         assert null_space((eye[list(tokens)] @ P).T).shape[1] == 0
@@ -430,16 +408,11 @@ def test_each_norm_placement_equals_its_formula(norm):
     def ln(h, m=block.ln_1):   # by hand, with the module's eps, gain and bias
         mu, var = h.mean(-1, keepdim=True), h.var(-1, unbiased=False, keepdim=True)
         return (h - mu) / torch.sqrt(var + m.eps) * m.weight + m.bias
-    if norm in ("pre", "pre-final"):
-        x = x + attn(ln(x))            # x + Attn(LN(x))
-    elif norm == "post":
-        x = x + ln(attn(x))            # x + LN(Attn(x))
-    else:
-        x = ln(x + attn(x))            # LN(x + Attn(x))
+    x = {"pre": lambda: x + attn(ln(x)), "post": lambda: x + ln(attn(x)),   # pre-final: pre's
+         "post-residual": lambda: ln(x + attn(x))}[norm.replace("-final", "")]()
     if norm == "pre-final":
         x = ln(x, model.ln_f)
-    want = x @ model.lm_head.weight.T
-    assert torch.allclose(model(idx[None])[0], want, atol=1e-5)
+    assert torch.allclose(model(idx[None])[0], x @ model.lm_head.weight.T, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", list(R.NORMS))
@@ -471,7 +444,7 @@ def test_dropout_acts_on_the_attention_weights_and_on_each_blocks_outputs():
 
 
 def test_ema_equals_its_closed_form_weighted_average():
-    # avg_t = sum_k (1-d) d^(t-k) theta_k / (1 - d^t): the initialization has no weight.
+    # theory.md, section 5 (the EMA in the code): avg_t = sum_k (1-d) d^(t-k) theta_k / (1 - d^t).
     d, model = 0.9, torch.nn.Linear(3, 2).requires_grad_(False)
     ema = R.EMA(model, d)
     thetas = [torch.randn(2, 3, generator=torch.Generator().manual_seed(k)) for k in range(6)]
@@ -481,8 +454,7 @@ def test_ema_equals_its_closed_form_weighted_average():
     t = len(thetas)
     want = sum((1 - d) * d ** (t - k) * thetas[k - 1] for k in range(1, t + 1)) / (1 - d**t)
     assert torch.allclose(ema.shadow[0], want, atol=1e-6)
-    ema.update(model)  # beta_1 = 1: the first update forgets the initialization entirely
-    fresh = R.EMA(model, d)
+    fresh = R.EMA(model, d)   # beta_1 = 1: the first update forgets the initialization entirely
     fresh.update(model)
     assert torch.allclose(fresh.shadow[0], thetas[-1])
 
@@ -497,8 +469,8 @@ def test_same_seed_gives_same_numbers_and_ema_off_is_exactly_the_raw_weights_of_
 
 
 def test_sampled_gradient_covariance_is_diag_p_minus_p_p():
-    # theory.md, section 5: the gradient of -log q_y w.r.t. the logits is q - e_y; with y ~ p*
-    # its mean is q - p* and its covariance diag(p*) - p* p*^T, of trace 1 - 1/k.
+    # theory.md, section 5 (sampled targets are noisy): the gradient q - e_y of -log q_y, y ~ p*,
+    # has mean q - p*, covariance diag(p*) - p* p*^T and trace 1 - 1/k (k legal tokens).
     v, k, n = 6, 4, 200000
     p = torch.tensor([1 / k] * k + [0.0] * (v - k), dtype=DT)
     logits = torch.randn(v, dtype=torch.double, requires_grad=True)
@@ -514,9 +486,8 @@ def test_sampled_gradient_covariance_is_diag_p_minus_p_p():
 
 
 def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
-    # theory.md, section 5: SGD on h theta^2 / 2 with gradient noise sigma has stationary
-    # variance V = eta sigma^2 / (h (2 - eta h)); an EMA of decay d has
-    # V (1 - d) / (1 + d) * (1 + d rho) / (1 - d rho), rho = 1 - eta h.
+    # theory.md, section 5: SGD on h theta^2 / 2, noise sigma: V = eta sigma^2 / (h (2 - eta h));
+    # an EMA of decay d: V (1 - d) / (1 + d) * (1 + d rho) / (1 - d rho), rho = 1 - eta h.
     eta, h, sigma, d, chains, steps = 0.1, 1.0, 1.0, 0.95, 4000, 1500
     g = torch.Generator().manual_seed(0)
     box = torch.nn.Linear(chains, 1, bias=False).requires_grad_(False)   # one theta per chain
@@ -532,10 +503,9 @@ def test_ema_variance_on_a_noisy_quadratic_matches_closed_form():
 
 
 def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_small_steps():
-    # theta <- theta - eta (lam theta + xi), Var xi = sigma^2: stationary variance V = eta sigma^2
-    # / (lam (2 - eta lam)) for 0 < eta lam < 2. At eta lam = 1 and 1.5 the exact factor is 2 and 4
-    # times the small-step approximation eta sigma^2 / (2 lam), so a 5 % tolerance tells them
-    # apart; for eta lam << 1 V / eta -> sigma^2 / (2 lam); above 2 the iterates diverge.
+    # theory.md, section 5: V = eta sigma^2 / (lam (2 - eta lam)), 0 < eta lam < 2: 2 and 4 times
+    # the small-step eta sigma^2 / (2 lam) at eta lam = 1, 1.5 (a 5 % tolerance tells them apart),
+    # its limit for eta lam << 1; above 2 the iterates diverge.
     lam, sigma, chains, g = 2.0, 0.5, 10000, torch.Generator().manual_seed(0)
 
     def simulate(eta, steps):
@@ -553,16 +523,13 @@ def test_sgd_jitter_on_a_noisy_quadratic_is_proportional_to_the_step_only_for_sm
         V = simulate(eta, steps).var().item()
         assert V == pytest.approx(exact(eta), rel=0.05)
         ratios.append(V / eta)
-    assert sum(ratios) / 2 == pytest.approx(sigma**2 / (2 * lam), rel=0.05)
+    assert mean(ratios) == pytest.approx(sigma**2 / (2 * lam), rel=0.05)
     assert simulate(1.05, 200).abs().min() > 1e3                # eta lam = 2.1
 
 
 def test_sgd_iterates_have_the_ar1_covariance_v_rho_to_the_lag():
-    # Section 5: theta_(j+1) = rho theta_j - eta xi_j, xi_j independent (variance
-    # sigma^2), theta_0 of the stationary variance V and independent of the xi: each theta_k
-    # is a linear combination of the independent theta_0, xi_0, xi_1, ..; built here by
-    # running the recursion on coefficient vectors, its exact covariances are
-    # Cov(theta_(k+h), theta_k) = V rho^h, also for rho < 0 (eta lam > 1).
+    # theory.md, section 5: Cov(theta_(k+h), theta_k) = V rho^h, also for rho < 0 (eta lam > 1),
+    # exactly: each theta_k is a vector of coefficients on the independent theta_0, xi_0, xi_1, ..
     sigma, lam, K = 0.7, 2.0, 12
     for eta in (0.005, 0.3, 0.75):            # eta lam = 0.01, 0.6, 1.5
         rho, V = 1 - eta * lam, eta * sigma**2 / (lam * (2 - eta * lam))
@@ -572,16 +539,14 @@ def test_sgd_iterates_have_the_ar1_covariance_v_rho_to_the_lag():
             c[k + 1] = rho * c[k]
             c[k + 1, k + 1] -= eta * sigma
         cov = c @ c.T
-        for k in range(K + 1):
-            for h in range(K + 1 - k):
-                assert cov[k + h, k].item() == pytest.approx(V * rho**h, rel=1e-9, abs=1e-15)
+        for k, j in itertools.combinations_with_replacement(range(K + 1), 2):   # lag j - k
+            assert cov[j, k].item() == pytest.approx(V * rho ** (j - k), rel=1e-9, abs=1e-15)
 
 
 def test_ema_variance_factor_solves_the_stationary_covariance_equation():
-    # The pair (theta, ema) is a linear recursion x <- A x + b xi; its stationary covariance
-    # solves S = A S A^T + sigma^2 b b^T (solved here as a 4 x 4 linear system). Its entries
-    # are V and V (1 - w)/(1 + w) (1 + w rho)/(1 - w rho), rho = 1 - eta lam, w the EMA decay:
-    # 0.0905 V at eta lam = 0.01, w = 0.999.
+    # theory.md, section 5: (theta, ema) is x <- A x + b xi, whose stationary covariance solves
+    # S = A S A^T + sigma^2 b b^T (a 4 x 4 system): V, and V times the EMA's factor, 0.0905 at
+    # eta lam = 0.01, w = 0.999.
     for eta_lam, w in [(0.01, 0.999), (0.1, 0.95), (1.5, 0.5)]:
         eta, lam, sigma, rho = eta_lam, 1.0, 1.0, 1 - eta_lam
         A = torch.tensor([[rho, 0.0], [(1 - w) * rho, w]], dtype=DT)
@@ -604,7 +569,7 @@ def test_a_few_hundred_steps_lower_the_loss_and_the_first_progress_line_comes_ea
                    targets=targets, norm="post", device="cpu")
     lines = []
     _, _, losses = R.train(cfg, log=lines.append)
-    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    first, last = mean(losses[:20]), mean(losses[-20:])
     assert last < first - 0.1 and last > R.SetComplement(cfg).loss_floor() - 0.05
     assert lines[0].startswith("step    10/160") and len(lines) == 9   # at 10, then every 20
 
@@ -624,26 +589,19 @@ def test_each_step_trains_lengths_1_to_L_on_data_drawn_from_the_seed():
 
 def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
     cfg = R.Config(lr=0.01, steps=101, lr_schedule="cosine")
-    assert R.learning_rate(cfg, 1) == pytest.approx(0.01)
-    assert R.learning_rate(cfg, 51) == pytest.approx(0.005)
-    assert R.learning_rate(cfg, 101) == pytest.approx(0.0, abs=1e-12)
+    assert [R.learning_rate(cfg, t) for t in (1, 51, 101)] == pytest.approx([0.01, 0.005, 0.0])
     assert R.learning_rate(replace(cfg, lr_schedule="constant"), 101) == 0.01
 
 # ---- Part 1: evaluation (theory.md, section 2.4) --------------------------------------------
 
 
 def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
-    # The oracle has zero TVD, invalid mass and KL; evaluate's attn_entropy is the mean over heads
-    # and layers of each head's entropy: uniform attention over s positions has entropy log s
-    # (section 3), attention on one position 0. With several heads and layers: all uniform gives
-    # log s (a sum over heads would give 3 log s); heads (self, uniform, uniform) give 2/3 log s
-    # (neither the first head, 0, nor the largest, log s); two layers (uniform; self) give 1/2 log
-    # s overall and log s, 0 per layer.
-    v = 9
-    cases = [([["uniform"] * 3], 1.0), ([["self", "uniform", "uniform"]], 2 / 3),
-             ([["uniform"] * 3, ["self"] * 3], 0.5)]
-    for patterns, share in cases:
-        m = R.evaluate(MultiHeadOracle(v, patterns), n_perm=20)
+    # Zero TVD, invalid mass, KL. theory.md, section 3: attention uniform on s positions has
+    # entropy log s, on one 0; attn_entropy is the mean over heads and layers: heads (self, uniform,
+    # uniform) 2/3 log s (not a sum, first or largest); layers (uniform; self) 1/2 log s (log s, 0).
+    for patterns, share in [([["uniform"] * 3], 1.0), ([["self", "uniform", "uniform"]], 2 / 3),
+                            ([["uniform"] * 3, ["self"] * 3], 0.5)]:
+        m = R.evaluate(MultiHeadOracle(9, patterns), n_perm=20)
         assert max(m["tvd"]) < 1e-6 and max(m["invalid_mass"]) < 1e-6 and max(m["kl"]) < 1e-6
         for s, h in zip(m["length"], m["attn_entropy"]):
             assert h == pytest.approx(share * math.log(s), abs=1e-9)
@@ -654,8 +612,7 @@ def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
 
 def test_uniform_prediction_metrics_match_closed_forms():
     # Zero logits predict 1/v everywhere: TVD = invalid = s/v, KL = log(v/(v-s)), gap = 0.
-    v = 10
-    model = R.Transformer(R.Config(vocab=v, n_embd=8))
+    v, model = 10, R.Transformer(R.Config(vocab=10, n_embd=8))
     torch.nn.init.zeros_(model.lm_head.weight)
     m = R.evaluate(model, n_perm=20)
     for i, s in enumerate(m["length"]):
@@ -683,14 +640,12 @@ def test_bos_changes_the_uniform_entropy_to_log_s_plus_1():
 
 @pytest.mark.parametrize("gamma", [1.3, 0.0, -0.7])
 def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma):
-    # Section 2.4: for balanced logits of margin m (any sign) TVD = pi = s / (s + (v - s) e^m)
-    # and KL(p* || q) = -log(1 - pi). The margin is the model's own (balance checked on random
-    # inputs, m from its logits), pi(v, s, m) is computed here, and evaluate() must match it.
+    # theory.md, section 2.4: balanced logits of margin m (any sign) have TVD = invalid mass =
+    # pi(v, s, m) and KL = -log(1 - pi); m is the model's own (balance checked), and margin_c's.
     v = 12
     for norm in R.NORMS:
         model = R.hand_built(v, norm, gamma)
-        m = margins_at_every_length(model, v, n_perm=3)
-        got = R.evaluate(model, n_perm=10)
+        m, got = margins_at_every_length(model, v, n_perm=3), R.evaluate(model, n_perm=10)
         for s, ms in zip(got["length"], m):
             tvd = pi(v, s, ms)
             assert got["logit_gap"][s - 1] == pytest.approx(ms, rel=1e-9, abs=1e-12)
@@ -701,36 +656,29 @@ def test_kl_equals_minus_log_of_one_minus_invalid_mass_for_balanced_logits(gamma
 
 
 def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer():
-    # Balanced logits with margin m at length s: expected loss against the target (sampled
-    # or exact) = -log q_unseen = log(v - s + s e^-m). Checked on hand_built('pre', gamma)
-    # with torch's cross-entropy; it falls strictly as gamma (so delta) grows, at every s.
+    # theory.md, section 2.4: balanced logits of margin m at length s have expected loss (sampled or
+    # exact target) log(v - s + s e^-m), falling as gamma (so delta) grows, above log(v - s).
     v, task = 8, R.SetComplement(R.Config(vocab=8, train_len=7))
     idx = task.eval_inputs(4)
     target, losses = task.target(idx, dtype=DT), []
     for gamma in (0.5, 1.0, 2.0, 4.0, 8.0):
-        model = R.hand_built(v, "pre", gamma)
-        logits = model(idx)
-        ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)     # (B, T)
-        row = []
-        for s in range(1, v):
-            m = margin_c(v, "pre", s, gamma)
-            want = math.log(v - s + s * math.exp(-m))
+        ce = -(target * F.log_softmax(R.hand_built(v, "pre", gamma)(idx), dim=-1)).sum(-1)
+        row = [math.log(v - s + s * math.exp(-margin_c(v, "pre", s, gamma))) for s in range(1, v)]
+        for s, want in enumerate(row, start=1):
             assert ce[:, s - 1].tolist() == pytest.approx([want] * len(idx), rel=1e-10)
-            row.append(want)
         losses.append(row)
     for a, b in zip(losses, losses[1:]):
         assert all(x > y for x, y in zip(a, b))        # larger delta, lower loss
-    for s in range(1, v):                               # and the infimum log(v - s) is not reached
-        assert all(row[s - 1] > math.log(v - s) for row in losses)
+    # and the infimum log(v - s) is not reached
+    assert all(row[s - 1] > math.log(v - s) for row in losses for s in range(1, v))
 
 # ---- theory.md, section 2: balance at lengths 1 and 2, and the 1/s law ----------------------
 
 
 @pytest.mark.parametrize("v", [3, 5])
 def test_step_2_balance_at_lengths_1_and_2_forces_m1_equal_2_m2_for_any_attention(v):
-    # Every solution (B, D, m_1, m_2) of the balance equations has m_1 = 2 m_2, whatever the
-    # length-2 attention; with a common split there are solutions with m_2 != 0, with splits
-    # that differ from pair to pair there are none (Theorem 1(b): the split must be the same).
+    # theory.md, Theorem 1(a): every solution of the balance equations has m_1 = 2 m_2, whatever
+    # the split; (b): m_2 != 0 only with a split common to all pairs, not with random ones.
     g = torch.Generator().manual_seed(v)
     random_alpha = (0.1 + 0.8 * torch.rand(v, v, generator=g, dtype=DT)).tolist()
     for alpha, common in [([[0.5] * v] * v, True), ([[0.3] * v] * v, True), (random_alpha, False)]:
@@ -741,9 +689,8 @@ def test_step_2_balance_at_lengths_1_and_2_forces_m1_equal_2_m2_for_any_attentio
 
 @pytest.mark.parametrize("alpha", [0.5, 0.3])
 def test_balanced_solutions_have_D_equal_minus_delta_I_up_to_a_common_row_and_rank_v_minus_1(alpha):
-    # Steps 3 and 4: D P = -delta P + 1^T (d P) with delta = m_2 / alpha, and
-    # B P = delta (1 - 2 alpha) P - 1^T (d P): B carries no token information iff alpha = 1/2.
-    # The value bound: rank(D P) = v - 1.
+    # theory.md, Theorem 1(c, d): D P = -delta P + 1^T (d P), delta = m_2 / alpha, and B P =
+    # delta (1 - 2 alpha) P - 1^T (d P), token-free iff alpha = 1/2; Appendix A: rank(D P) = v - 1.
     v, P = 5, torch.eye(5, dtype=DT) - 1.0 / 5
     B, D, _, m2 = a_balanced_solution(v, alpha)
     delta = m2 / alpha
@@ -756,24 +703,20 @@ def test_balanced_solutions_have_D_equal_minus_delta_I_up_to_a_common_row_and_ra
 
 @pytest.mark.parametrize("alpha", [0.5, 0.3])
 def test_balance_at_lengths_1_and_2_gives_f_for_any_convex_weights_and_the_1_over_s_law(alpha):
-    # Theorem 2: with B, D any solution of the length-1 and length-2 balance equations
-    # (split alpha, delta = m_2 / alpha), for ANY convex weights a on the seen tokens
-    # f = B[y] + sum a_i D[t_i] == -m_1 e_y - delta sum a_i (e_(t_i) - e_y); balance at
-    # length s holds iff every other seen token has weight m_1 / (s delta), and then the
-    # margin is m_1 / s. Checked by brute force: the balanced weights solve a linear system.
-    v = 6
+    # theory.md, Theorem 2: with any solution (split alpha, delta = m_2 / alpha) and ANY convex
+    # weights a, f == -m_1 e_y - delta sum a_i (e_(t_i) - e_y); by brute force, balance at length s
+    # needs the weights m_1 / (s delta) on the earlier tokens, and gives the margin m_1 / s.
+    v, g = 6, torch.Generator().manual_seed(1)
     P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
     B, D, m1, m2 = a_balanced_solution(v, alpha)
     delta = m2 / alpha
     assert m1 == pytest.approx(2 * m2, rel=1e-9)
-    g = torch.Generator().manual_seed(1)
     for s in range(1, v):
         t = torch.randperm(v, generator=g)[:s].tolist()
         y, a = t[-1], torch.rand(s, generator=g, dtype=DT) + 0.05
         a = a / a.sum()
         f = B[y] + a @ D[t]
-        want = -m1 * eye[y] - delta * a @ (eye[t] - eye[y])
-        assert ((f - want) @ P).abs().max() < 1e-9
+        assert ((f + m1 * eye[y] + delta * a @ (eye[t] - eye[y])) @ P).abs().max() < 1e-9
         # brute force: all (a_1 .. a_s, m) with sum a = 1 and (f + m 1_t) P = 0: M [a; m] = rhs
         M = torch.cat([torch.stack([D[x] @ P for x in t] + [eye[t].sum(0) @ P], dim=1),
                        torch.tensor([[1.0] * s + [0.0]], dtype=DT)])
@@ -789,44 +732,37 @@ def test_balance_at_lengths_1_and_2_gives_f_for_any_convex_weights_and_the_1_ove
 
 
 def test_the_one_over_s_formula_holds_in_the_model_for_uneven_attention():
-    # The width-(v-1) model with an own-key bonus b (split alpha = 1/(1 + e^b) != 1/2): at every
-    # length its logits are -m_1 e_y - delta sum a_i (e_(t_i) - e_y) up to a constant, with its
-    # own attention weights a, m_1 = 2 m_2, delta = m_2 / alpha.
+    # theory.md, Theorem 2 in uneven_split_model (split alpha != 1/2): at every length f == -m_1 e_y
+    # - delta sum a_i (e_(t_i) - e_y), a its own weights, m_1 = 2 m_2, delta = m_2 / alpha.
     v, b, m2, eye = 6, 1.0, 1.0, torch.eye(6, dtype=DT)
     alpha, model = 1 / (1 + math.exp(b)), uneven_split_model(v, b, m2)[0]
     delta, m1, P, perm = m2 / alpha, 2 * m2, eye - 1.0 / v, permutations(3, v)[:, : v - 1]
     logits, atts = model(perm, return_attn=True)
-    for bi in range(3):
-        for s in range(1, v):
-            t = perm[bi, :s].tolist()
-            y, a = t[-1], atts[0][bi, 0, s - 1, :s]
-            want = -m1 * eye[y] - delta * (a[:, None] * (eye[t] - eye[y])).sum(0)
-            assert ((logits[bi, s - 1] - want) @ P).abs().max() < 1e-10
-            if s <= 2:
-                assert balanced_margin(logits[bi, s - 1], t) == pytest.approx(m1 / s, abs=1e-10)
-            else:   # its attention is not the balanced one (2 alpha / s on the others)
-                assert balanced_margin(logits[bi, s - 1], t) is None
+    for bi, s in itertools.product(range(3), range(1, v)):
+        t = perm[bi, :s].tolist()
+        y, a = t[-1], atts[0][bi, 0, s - 1, :s]
+        want = -m1 * eye[y] - delta * (a[:, None] * (eye[t] - eye[y])).sum(0)
+        assert ((logits[bi, s - 1] - want) @ P).abs().max() < 1e-10
+        # from s = 3 its attention is not the balanced one (2 alpha / s on the others)
+        margin = balanced_margin(logits[bi, s - 1], t)
+        assert margin is None if s > 2 else margin == pytest.approx(m1 / s, abs=1e-10)
 
 
 def test_symmetric_but_pair_dependent_splits_admit_no_balanced_model():
-    # Theorem 1(b): a split alpha_xy = alpha_yx that differs between pairs forces m_2 = 0 (and then
-    # m_1 = 0): Theorem 1(a) alone (which needs only symmetry) does not exclude it, the triangle does.
+    # theory.md, Theorem 1(b): a symmetric split alpha_xy = alpha_yx that differs between pairs
+    # forces m_2 = m_1 = 0 (the triangle step excludes it; symmetry alone, Theorem 1(a), does not).
     v, g = 4, torch.Generator().manual_seed(3)
     for _ in range(2):
         r = 0.1 + 0.8 * torch.rand(v, v, generator=g, dtype=DT)
-        alpha = ((r + r.T) / 2).tolist()                # symmetric, pair-dependent
-        N = null_space(balance_equations(v, alpha))
+        N = null_space(balance_equations(v, ((r + r.T) / 2).tolist()))   # pair-dependent
         assert N[-1].abs().max() < 1e-9 and N[-2].abs().max() < 1e-9
     # control: a symmetric split that is the same for every pair has m_2 != 0 solutions
-    N = null_space(balance_equations(v, [[0.37] * v] * v))
-    assert N[-1].abs().max() > 1e-3
+    assert null_space(balance_equations(v, [[0.37] * v] * v))[-1].abs().max() > 1e-3
 
 
 def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
-    # Corollary 2 on pair_score_model, set to Theorem 1's solution for the split alpha it shows
-    # at length 2: balanced at lengths 1 and 2; at length 3 its weights are Lemma A's Omega /
-    # (1 + 2 Omega) (Omega = alpha / (1 - alpha)), its logits Theorem 2's -m_1 e_y - delta
-    # sum_i a_i (e_(t_i) - e_y), balanced only for Delta = 0, alpha = 1/2.
+    # theory.md, Corollary 2 on pair_score_model (Theorem 1's solution for its length-2 split):
+    # at length 3, Lemma A's weights Omega / (1 + 2 Omega), Theorem 2's f, balanced iff Delta = 0.
     v, eye = 6, torch.eye(6, dtype=DT)
     triples = permutations(6, v, seed=3)[:, :3]
     for Delta in [-1.5, -0.4, 0.0, 0.3, 1.2]:
@@ -851,10 +787,8 @@ def test_balance_at_length_3_in_the_pair_score_model_needs_the_even_split():
 
 
 def test_balance_at_length_3_forces_the_even_split():
-    # A model balanced at lengths 1 and 2 with split alpha = 1/(1 + e^b) has, at length 3,
-    # last-token logit minus other seen logit = delta (3 a_3 - 2 alpha), a_3 = 1/(2 + e^b),
-    # delta = m_2 / alpha; it vanishes only at b = 0 (alpha = 1/2), where the width-(v-1)
-    # model's weights blow up (mu = -1/(1 - 2 alpha)).
+    # theory.md, Corollary 2 on uneven_split_model: at length 3, last minus other seen logit is
+    # delta (3 a_3 - 2 alpha), a_3 = 1/(2 + e^b), 0 only at b = 0, where mu = -1/(1 - 2a) blows up.
     v = 5
     for b in [-1.5, -0.4, 0.2, 1.0, 2.5]:
         model, _, _ = uneven_split_model(v, b)
@@ -869,21 +803,17 @@ def test_balance_at_length_3_forces_the_even_split():
 
 
 def test_length_2_splits_determine_the_attention_at_every_length():
-    # One layer, no positions: the score of query y on key x depends on (y, x) only, so the weight
-    # on key t_i at any length is r(y, t_i) / sum_j r(y, t_j), with the odds r(y, x) = alpha_yx /
-    # (1 - alpha_yx) read off length 2, and r(y, y) = 1. Random weights, with the input LayerNorm.
+    # theory.md, Lemma A (random weights, input LayerNorm): the weight on t_i at any length is
+    # r(y, t_i) / sum_j r(y, t_j), r the odds alpha / (1 - alpha) of length 2 (r(y, y) = 1).
     v, n = 7, 8
     model = randomize(R.Transformer(R.Config(vocab=v, n_embd=n, n_head=1, norm="pre")).double())
-    g, alpha = torch.Generator().manual_seed(0), length_2_split(model, v)
-    odds = alpha / (1 - alpha)
-    perm = permutations(5, v, seed=1)[:, : v - 1]
+    alpha, g = length_2_split(model, v), torch.Generator().manual_seed(0)
+    odds, perm = alpha / (1 - alpha), permutations(5, v, seed=1)[:, : v - 1]
     att = model(perm, return_attn=True)[1][0][:, 0]                  # (5, T, T)
-    for b in range(5):
-        for s in range(1, v):
-            r = odds[perm[b, s - 1], perm[b, :s]]
-            assert torch.allclose(att[b, s - 1, :s], r / r.sum(), atol=1e-12)
+    for b, s in itertools.product(range(5), range(1, v)):
+        r = odds[perm[b, s - 1], perm[b, :s]]
+        assert torch.allclose(att[b, s - 1, :s], r / r.sum(), atol=1e-12)
     assert att[:, -1].max() > 2 / (v - 1)          # these weights are far from uniform
-
     # An even split for every pair, with scores that are not all zero: uniform everywhere.
     E = torch.randn(v, n, generator=g, dtype=DT)
     w = torch.linalg.lstsq(E, torch.ones(v, 1, dtype=DT)).solution.T     # E w^T = 1
@@ -899,16 +829,14 @@ def test_length_2_splits_determine_the_attention_at_every_length():
 
 
 def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_not_3():
-    # v = 6, own-key bonus b = 1, m_2 = 1: bounded weights, margins exactly 2 and 1; at
-    # length 3 the last token's logit is -2/(e+2) and the other two seen tokens' -(e+1)/(e+2),
-    # relative to the unseen tokens.
+    # theory.md, Appendix A (why the even split is needed): v = 6, Delta = b = 1, m_2 = 1: bounded
+    # weights, margins exactly 2 and 1; at length 3, -2/(e+2) (last token), -(e+1)/(e+2) (others).
     v, e = 6, math.e
     model, mu, nu = uneven_split_model(v, b=1.0)
     assert abs(mu) < 3 and abs(nu) < 3
     assert nu == pytest.approx(e - 1) and mu == pytest.approx(-(e + 1) / (e - 1))
-    singles = torch.arange(v)[:, None]
-    pairs = torch.tensor([(x, y) for x in range(v) for y in range(v) if x != y])
-    for idx, want in [(singles, 2.0), (pairs, 1.0)]:
+    pairs = torch.tensor(list(itertools.permutations(range(v), 2)))
+    for idx, want in [(torch.arange(v)[:, None], 2.0), (pairs, 1.0)]:
         logits, atts = model(idx, return_attn=True)
         for row, tokens in zip(logits[:, -1], idx.tolist()):
             assert balanced_margin(row, tokens, tol=1e-12) == pytest.approx(want, abs=1e-12)
@@ -921,18 +849,16 @@ def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_no
 
 
 def test_pre_norm_margin_decays_like_two_over_s():
-    # theory.md, section 3: margin(s) = (2 / s) margin(2) under uniform attention.
-    m2 = margin_c(20, "pre", 2)
-    model = R.evaluate(R.hand_built(20, "pre"), n_perm=10)
-    for s, gap in zip(model["length"], model["logit_gap"]):
-        assert gap == pytest.approx(2 / s * m2, rel=1e-5)
+    # theory.md, Corollary 2 and section 3: margin(s) = (2 / s) margin(2) under uniform attention.
+    m2, model = margin_c(20, "pre", 2), R.evaluate(R.hand_built(20, "pre"), n_perm=10)
+    assert model["logit_gap"] == pytest.approx([2 / s * m2 for s in model["length"]], rel=1e-5)
 
 # ---- theory.md, Appendix A: dimension bounds ------------------------------------------------
 
 
 def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
-    # theory.md, section 2: balanced logits at lengths 1 and 2 need head_dim >= v - 1; the
-    # construction with n_embd = 2v - 2, head_dim = v - 1 fits them exactly.
+    # theory.md, Appendix A (value dimension, observed with least squares): lengths 1 and 2 need
+    # head_dim >= v - 1; the construction with n_embd = 2v - 2, head_dim = v - 1 fits them exactly.
     v = 5
     assert fit_lengths_1_2(v, 2 * v - 2, v - 1, steps=400) < 1e-4
     assert min(fit_lengths_1_2(v, 2 * v, v - 2, steps=400, seed=k) for k in range(2)) > 0.1
@@ -940,8 +866,8 @@ def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
 
 @pytest.mark.parametrize("n_head", [2, 4])
 def test_width_2v_minus_2_construction_is_balanced_at_every_length(n_head):
-    # width_2v_minus_2 with W_Q = W_K = 0, its value dimension v - 1 in one head of v - 1 or two
-    # of (v - 1) / 2 (the other heads write nothing): B = 0, margin delta / s at every length.
+    # theory.md, Appendix A (both bounds are tight): width_2v_minus_2, W_Q = W_K = 0, value dim
+    # v - 1 in one head or two of (v - 1) / 2 (others write nothing): B = 0, margin delta / s.
     v, delta = 5, 1.7
     E, W_V, U = width_2v_minus_2(v, delta)
     model = text_model(E, U, W_V, n_head=n_head)
@@ -952,28 +878,23 @@ def test_width_2v_minus_2_construction_is_balanced_at_every_length(n_head):
 
 
 def test_width_v_minus_1_is_balanced_up_to_tau_delta_with_weights_of_size_1_over_tau():
-    # Appendix A, the 1/tau escape: n = r = v - 1, even split, E = Q, W_V W_O = I / tau, U = -tau delta Q^T:
-    # D = -delta P exactly and B = -tau delta P, so at every length s >= 2 the last token's
-    # logit sits tau delta below the other seen tokens' (which sit delta / s below the
-    # unseen ones): balanced up to an error tau delta, with weights of size 1 / tau.
+    # theory.md, Appendix A (approximate fits): n = r = v - 1, E = Q, W_V W_O = I / tau, U = -tau
+    # delta Q^T: the last token sits tau delta below the other seen ones (delta / s below unseen).
     v, delta = 6, 1.5
     Q, eye = ones_complement(v), torch.eye(v - 1, dtype=DT)
     perm = permutations(3, v)[:, : v - 1]
     for tau in (0.1, 0.01):
         logits = text_model(Q, -tau * delta * Q.T, eye / tau, eye)(perm)
-        for b in range(3):
-            for s in range(2, v):
-                row, toks = logits[b, s - 1], perm[b, :s].tolist()
-                unseen = row[[t for t in range(v) if t not in toks]].mean()
-                assert (row[toks[-1]] - row[toks[0]]).item() == pytest.approx(-tau * delta,
-                                                                               abs=1e-10)
-                assert (unseen - row[toks[0]]).item() == pytest.approx(delta / s, abs=1e-10)
+        for b, s in itertools.product(range(3), range(2, v)):
+            row, toks = logits[b, s - 1], perm[b, :s].tolist()
+            unseen = row[[t for t in range(v) if t not in toks]].mean()
+            assert (row[toks[-1]] - row[toks[0]]).item() == pytest.approx(-tau * delta, abs=1e-10)
+            assert (unseen - row[toks[0]]).item() == pytest.approx(delta / s, abs=1e-10)
 
 
 def test_input_layernorm_adds_at_most_one_direction_to_the_token_differences():
-    # LN(E[x]) - LN(E[y]) lies in g * span(C S, C E[0]), S = span{E[x] - E[y]}, C the centring
-    # over the features: if S has dimension k, the normed differences span at most k + 1
-    # (here exactly k + 1). This is why Pre-Norm's width bound is 2v - 3, not 2v - 2.
+    # theory.md, Appendix A (proof of n >= 2v - 3): LN(E[x]) - LN(E[y]) lies in g * span(C S,
+    # C E[0]), S the k-dim span of E's differences, C the centring: k + 1 dimensions (here exactly).
     v, n, k, g = 8, 10, 3, torch.Generator().manual_seed(2)
     basis = torch.randn(k, n, generator=g, dtype=DT)
     E = torch.randn(1, n, generator=g, dtype=DT) + torch.randn(v, k, generator=g, dtype=DT) @ basis
@@ -983,7 +904,7 @@ def test_input_layernorm_adds_at_most_one_direction_to_the_token_differences():
     diffs = (ln(E) - ln(E[:1])).detach()
     assert torch.linalg.matrix_rank(E - E[:1]).item() == k
     assert torch.linalg.matrix_rank(diffs).item() == k + 1
-    centre = lambda z: z - z.mean(-1, keepdim=True)
+    centre = lambda z: z - z.mean(-1, keepdim=True)  # noqa: E731
     span = ln.weight.detach() * centre(torch.cat([basis, E[:1]]))
     coef = torch.linalg.lstsq(span.T, diffs.T).solution
     assert (span.T @ coef - diffs.T).abs().max() < 1e-10
@@ -991,21 +912,15 @@ def test_input_layernorm_adds_at_most_one_direction_to_the_token_differences():
 
 @pytest.mark.parametrize("v", [4, 5, 7])
 def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
-    # Pre-Norm (input LayerNorm, eps 1e-5, its bias used), n = 2v - 3, value rank v - 1,
-    # W_Q = W_K = 0. Orthonormal feature basis b_0 (along 1_n), b_1, .., b_(n-1);
-    # S = span(b_2 .. b_(v-1)) (v - 2 dims). E[x] = b_1 + s_x, s_x the v - 1 vertices of a
-    # centred simplex in S and, for the last token, 0; U = K^T (-delta Q^T) with K's rows
-    # b_0, b_1, b_v, .., b_(n-1) (orthogonal to S), so B is a constant row. The normed
-    # embeddings y_x are v affinely independent points of span(b_1 .. b_(v-1)); the value map
-    # sends y_x + bias to Q[x] - (b_1 K^T), which cancels B: margin delta / s, exactly.
+    # theory.md, Appendix A, the construction at n = 2v - 3 (b: its o; simplex: its zeta; K: its
+    # M_out) with the real LayerNorm (eps 1e-5, bias b_0): value rank v - 1, margin delta / s.
     delta, n, g = 1.3, 2 * v - 3, torch.Generator().manual_seed(0)
-    start = torch.cat([torch.ones(n, 1, dtype=DT), torch.randn(n, n - 1, generator=g, dtype=DT)],
-                      dim=1)
+    start = torch.cat([torch.ones(n, 1, dtype=DT), torch.randn(n, n - 1, generator=g, dtype=DT)], 1)
     b, Q = torch.linalg.qr(start).Q.T, ones_complement(v)
     simplex = torch.cat([ones_complement(v - 1), torch.zeros(1, v - 2, dtype=DT)])
     E, K = b[1] + simplex @ b[2:v], torch.cat([b[0:2], b[v:]])
     U = K.T @ (-delta * Q.T)
-    Y = torch.nn.functional.layer_norm(E, (n,))                 # the normed embeddings
+    Y = F.layer_norm(E, (n,))                       # the normed embeddings
     X = torch.cat([Y @ b[1:v].T, torch.ones(v, 1, dtype=DT)], dim=1)
     sol = torch.linalg.solve(X, Q)                  # Y G + 1^T k = Q: an affine map
     shift = torch.eye(v - 1, dtype=DT)[1]           # b_1 K^T
@@ -1021,10 +936,8 @@ def test_pre_norm_width_2v_minus_3_construction_is_balanced_at_every_length(v):
 
 
 def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
-    # The 2v - 2 construction, mixed by a random invertible map of the feature space (E -> E M,
-    # W_V W_O -> M^-1 W M, U -> M^-1 U: same logits): balanced at lengths 1 and 2 with the even
-    # split; then the span of the embedding differences has dimension >= v - 1, lies in
-    # N = {z : z U P = 0}, and rank(U P) = v - 1, so n = dim N + rank(UP) >= 2v - 2 (here =).
+    # theory.md, Appendix A (embedding dimension) on the 2v - 2 construction mixed by a random
+    # invertible M (same logits): dim E >= v - 1, E in N, rank(U P) = v - 1, so n >= 2v - 2.
     v, delta = 5, 1.3
     n, P = 2 * v - 2, torch.eye(v, dtype=DT) - 1.0 / v
     E, W, U = width_2v_minus_2(v, delta)
@@ -1044,10 +957,8 @@ def test_the_steps_of_the_embedding_bound_on_a_generic_balanced_model():
 
 
 def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
-    # Appendix A: with B = 0, Theorem 1(d) forces alpha = 1/2 (no solution with m_2 != 0 for
-    # alpha != 1/2). A model whose logits read only the attention output (no residual path
-    # to U, so B = 0) needs only n = v - 1: E = Q, W_V W_O = I, U = -delta Q^T gives
-    # f = -delta sum a_i Q[t_i] Q^T == -(delta / s) 1_t with uniform attention (W_Q = W_K = 0).
+    # theory.md, Appendix A (where 2v - 2 comes from): B = 0 forces alpha = 1/2; logits that read
+    # only the attention output need only n = v - 1: E = Q, W_V W_O = I, U = -delta Q^T.
     v = 5
     for alpha, ok in [(0.5, True), (0.3, False), (0.7, False)]:
         N = null_space(balance_equations(v, [[alpha] * v] * v, B_zero=True))
@@ -1056,13 +967,11 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
     model, perm = text_model(Q, -delta * Q.T, eye, eye), permutations(3, v)[:, : v - 1]
     attn_out, _ = model.blocks[0].attn(model.wte(perm))
     logits = attn_out @ model.lm_head.weight.T          # U reads the attention output only
-    for b in range(3):
-        for s in range(1, v):
-            m = balanced_margin(logits[b, s - 1], perm[b, :s].tolist())
-            assert m == pytest.approx(delta / s, rel=1e-10)
+    for b, s in itertools.product(range(3), range(1, v)):
+        m = balanced_margin(logits[b, s - 1], perm[b, :s].tolist())
+        assert m == pytest.approx(delta / s, rel=1e-10)
     # with the residual path the same weights are not balanced at length 2 (B = -delta P)
-    full = model(perm)
-    assert balanced_margin(full[0, 1], perm[0, :2].tolist()) is None
+    assert balanced_margin(model(perm)[0, 1], perm[0, :2].tolist()) is None
 
 # ---- theory.md, section 4 and Appendices B, C: a norm that sees the average -----------------
 
@@ -1104,7 +1013,8 @@ def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
                                             margin_c(v, "pre-final", s, gamma)
                                             for s in m["length"]], rel=1e-9)
     # and the code's GELU MLP can be the identity: GELU(z) - GELU(-z) = z (theory.md, C.6)
-    mlp, pm = R.Block(R.Config(n_embd=4, mlp=True)).mlp.double(), torch.cat([torch.eye(4), -torch.eye(4)])
+    mlp = R.Block(R.Config(n_embd=4, mlp=True)).mlp.double()
+    pm = torch.cat([torch.eye(4), -torch.eye(4)])
     with torch.no_grad():
         mlp[0].weight.zero_()[:8], mlp[2].weight.zero_()[:, :8] = pm, pm.T
     z = 3 * torch.randn(5, 4, generator=torch.Generator().manual_seed(2), dtype=DT)
@@ -1113,29 +1023,23 @@ def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
 
 @pytest.mark.parametrize("v", [15, 16])
 def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
-    # Theorem 3 on hand_built(v, 'post', gamma) at eps = 0: balanced at every length, and its
-    # margin and evaluate()'s logit_gap equal gamma sqrt(n/v) v / sqrt(s (v - s)), n = 2v, never
-    # below 2 gamma sqrt(n/v), reached only at s = v/2 (v even). With values not centred over
-    # the vocabulary the margin is n / sqrt(s (n - s)) instead (Appendix B.2).
+    # theory.md, Theorem 3 and (i), hand_built(v, 'post', gamma) at eps = 0, n = 2v: margin and
+    # logit_gap gamma sqrt(n/v) v / sqrt(s (v - s)) >= 2 gamma sqrt(n/v), equal only at s = v/2.
     gamma, n = 0.7, 2 * v
     model = eps_0(R.hand_built(v, "post", gamma))
     m = margins_at_every_length(model, v, n_perm=4)
     gap, floor = R.evaluate(model, n_perm=5)["logit_gap"], 2 * gamma * math.sqrt(n / v)
     for s in range(1, v):
         want = gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s))
-        assert m[s - 1] == pytest.approx(want, rel=1e-10)
-        assert gap[s - 1] == pytest.approx(want, rel=1e-10)
+        assert (m[s - 1], gap[s - 1]) == pytest.approx((want, want), rel=1e-10)
         assert margin_c(v, "post", s, gamma, eps=0.0) == pytest.approx(want, rel=1e-12)
         assert (m[s - 1] == pytest.approx(floor, rel=1e-10) if 2 * s == v
                 else m[s - 1] > floor * (1 + 1e-6))
 
 
 def test_theorem_3_holds_at_its_smallest_width_2v_minus_1():
-    # Theorem 3's hypotheses need n >= 2v - 1 (the embeddings lie in the n - v features U
-    # does not read, and W_V W_O maps them onto values spanning v - 1 dimensions); at n = 2v - 1
-    # they hold: E = Q (orthonormal columns orthogonal to 1) in the last v - 1 features,
-    # W_V W_O = w Q^T into the first v, U = -gamma on those. Margin
-    # gamma sqrt(n/v) v / sqrt(s (v - s)) at every length (eps = 0), in the 'post' Transformer.
+    # theory.md, Theorem 3 at its least width n = 2v - 1 ("Why n >= 2v - 1"): E = Q in the last
+    # v - 1 features, W_V W_O = w Q^T into the first v, U = -gamma on those; eps = 0, 'post'.
     v, gamma, w = 7, 0.8, 2.5
     n, Q = 2 * v - 1, ones_complement(v)
     model = R.Transformer(R.Config(vocab=v, n_embd=n, norm="post")).double().requires_grad_(False)
@@ -1146,17 +1050,14 @@ def test_theorem_3_holds_at_its_smallest_width_2v_minus_1():
     model.blocks[0].attn.c_attn.weight[2 * n:3 * n][:v, v:] = w * Q   # value: w Q[x] Q^T
     model.blocks[0].attn.c_proj.weight.copy_(torch.eye(n, dtype=DT))
     model.lm_head.weight[:, :v] = -gamma * torch.eye(v, dtype=DT)
-    m = margins_at_every_length(eps_0(model.eval()), v, n_perm=4)
-    for s, ms in enumerate(m, start=1):
-        assert ms == pytest.approx(gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s)),
-                                   rel=1e-10)
+    for s, ms in enumerate(margins_at_every_length(eps_0(model.eval()), v, n_perm=4), start=1):
+        assert ms == pytest.approx(gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s)), rel=1e-10)
 
 
 def test_post_norm_margin_decays_like_one_over_sqrt_s_to_its_minimum_at_v_over_2():
-    # eps = 0: margin = gamma sqrt(n/v) v / sqrt(s (v - s)) >= 2 gamma sqrt(n/v), minimum at
-    # s = v/2, symmetric in s <-> v - s; from s = 1 to v/2 it falls by v / (2 sqrt(v - 1))
-    # (2.87 at v = 32); beyond a length s0 <= v/2 it stays above 2 sqrt(s0 (v - s0)) / v
-    # times its value at s0 (0.968 at s0 = 12).
+    # theory.md, Theorem 3(i, ii, iv), eps = 0, v = 32: minimum 2 sqrt(2) at s = v/2, symmetric
+    # in s <-> v - s, down by v / (2 sqrt(v - 1)) = 2.874 from s = 1; beyond s0 <= v/2 it stays
+    # above 2 sqrt(s0 (v - s0)) / v of its value at s0 (0.968 at s0 = 12).
     v, m = 32, margins_with_eps_0(32, "post")
     assert min(m) == pytest.approx(2 * math.sqrt(2), rel=1e-10) and m.index(min(m)) == v // 2 - 1
     assert all(m[s - 1] == pytest.approx(m[v - s - 1], rel=1e-10) for s in range(1, v))
@@ -1170,26 +1071,23 @@ def test_post_norm_margin_decays_like_one_over_sqrt_s_to_its_minimum_at_v_over_2
 
 
 def test_post_norm_margin_is_about_gamma_sqrt_n_over_s_for_small_s():
-    # Theorem 3(iii) on the hand-built model (eps = 0): m_post(s) = gamma sqrt(n/s) / sqrt(1 - s/v)
-    # exactly, so for s << v it is about gamma sqrt(n/s): within 1/sqrt(1 - 1/8) - 1 = 6.9 % for s
-    # <= v/8, and from s to 4s it falls by about 2 (the 1/sqrt(s) law), not by 4 (the 1/s law).
+    # theory.md, Theorem 3(iii): m_post(s) = gamma sqrt(n/s) / sqrt(1 - s/v), so ~ gamma sqrt(n/s)
+    # for s << v (within 6.9 % for s <= v/8): from s to 4s it falls by about 2, not 4 (the 1/s law).
     gamma = 0.9
     for v in (32, 128):
-        n = 2 * v
-        m = margins_at_every_length(eps_0(R.hand_built(v, "post", gamma)), v, n_perm=1)
+        n, m = 2 * v, margins_with_eps_0(v, "post", gamma, n_perm=1)
         for s, ms in enumerate(m, start=1):
             assert ms * math.sqrt(s) / (gamma * math.sqrt(n)) == pytest.approx(
                 1 / math.sqrt(1 - s / v), rel=1e-10)
-            if 8 * s <= v:
-                assert abs(ms / (gamma * math.sqrt(n / s)) - 1) < 0.07
+            assert 8 * s > v or abs(ms / (gamma * math.sqrt(n / s)) - 1) < 0.07
         assert m[0] / (gamma * math.sqrt(n)) == pytest.approx(1, abs=0.02)
     # v = 128: m(1) / m(4) = 2 sqrt((1 - 4/128) / (1 - 1/128)) = 1.976, m(2) / m(8) = 1.952
     assert m[0] / m[3] == pytest.approx(2, rel=0.015) and m[1] / m[7] == pytest.approx(2, rel=0.03)
 
 
 def test_layernorm_eps_divides_the_post_norm_margin_by_sqrt_one_plus_eps_over_variance():
-    # With eps: margin = margin_eps0 / sqrt(1 + eps / sigma^2), sigma^2 = (1/s - 1/v) / n.
-    # At v = 32: 6.357 instead of 8.128 at s = 31, and 2.800 < 2 sqrt(2) at s = 16.
+    # theory.md, Appendix B.1: margin = margin_eps0 / sqrt(1 + eps / sigma^2), sigma^2 = (1/s - 1/v)
+    # / n. At v = 32: 6.357 instead of 8.128 at s = 31, and 2.800 < 2 sqrt(2) at s = 16.
     v, n = 32, 64
     with_eps = margins_at_every_length(R.hand_built(v, "post"), v, n_perm=2)
     for s, (a, b) in enumerate(zip(with_eps, margins_with_eps_0(v, "post")), start=1):
@@ -1203,8 +1101,7 @@ def test_norm_on_uncentred_one_hot_values(norm_cls):
     # theory.md, Appendix B.2: with values e_x (not centred), LayerNorm gives n / sqrt(s (n - s)),
     # bounded below by 2, while RMSNorm, which does not subtract the mean, gives sqrt(n / s).
     v, n = 12, 24
-    one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
-    m = R.evaluate(post_norm_with_values(v, one_hot, norm_cls), n_perm=5)
+    m = R.evaluate(post_norm_with_values(v, None, norm_cls), n_perm=5)
     for s, gap in zip(m["length"], m["logit_gap"]):
         want = n / math.sqrt(s * (n - s)) if norm_cls == "layer" else math.sqrt(n / s)
         assert gap == pytest.approx(want, rel=1e-9)
@@ -1212,37 +1109,30 @@ def test_norm_on_uncentred_one_hot_values(norm_cls):
 
 @pytest.mark.parametrize("norm_cls", ["layer", pytest.param("rms", marks=needs_rmsnorm)])
 def test_a_common_part_of_the_values_sets_the_post_norm_gap(norm_cls):
-    # Values u_x = c + w (e_x - 1/v) (centred part on the first v features; c constant there,
-    # anything elsewhere): gap = w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)), where
-    # c' = c minus its mean over the n features for LayerNorm, c' = c for RMSNorm.
-    # LayerNorm removes only the part of c along the all-ones feature vector.
+    # theory.md, Appendix B.2: values c + w (e_x - 1/v), c constant on those v features, give the
+    # gap w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)), c' = c - mean(c) (LayerNorm), c (RMS).
     v, n, g = 12, 24, torch.Generator().manual_seed(1)
     centred = torch.cat([torch.eye(v, dtype=DT) - 1.0 / v, torch.zeros(v, v, dtype=DT)], 1)
-    one_hot_common = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
-    other_common = torch.cat([torch.full((v,), 0.3, dtype=DT), torch.randn(v, generator=g,
-                                                                        dtype=DT)])
-    for c, w in [(one_hot_common, 1.0), (other_common, 0.7), (3 * one_hot_common, 2.0)]:
-        cp = c - c.mean() if norm_cls == "layer" else c
-        m = margins_at_every_length(post_norm_with_values(v, c + w * centred, norm_cls), v,
-                                    n_perm=2)
-        for s, gap in enumerate(m, start=1):
-            denominator = math.sqrt(cp.pow(2).sum().item() + w * w * (1 / s - 1 / v))
-            want = w * math.sqrt(n) / s / denominator
+    one_hot_c = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
+    other_c = torch.cat([torch.full((v,), 0.3, dtype=DT), torch.randn(v, generator=g, dtype=DT)])
+    for c, w in [(one_hot_c, 1.0), (other_c, 0.7), (3 * one_hot_c, 2.0)]:
+        c2 = (c - c.mean() if norm_cls == "layer" else c).pow(2).sum().item()     # |c'|^2
+        model = post_norm_with_values(v, c + w * centred, norm_cls)
+        for s, gap in enumerate(margins_at_every_length(model, v, n_perm=2), start=1):
+            want = w * math.sqrt(n) / s / math.sqrt(c2 + w * w * (1 / s - 1 / v))
             assert gap == pytest.approx(want, rel=1e-9)
     # LayerNorm's share of c = (1/v) 1 on v of the n features: a fraction v/n of |c|^2.
-    removed = one_hot_common.pow(2).sum() - (one_hot_common - one_hot_common.mean()).pow(2).sum()
-    assert (removed / one_hot_common.pow(2).sum()).item() == pytest.approx(v / n, rel=1e-12)
+    removed = one_hot_c.pow(2).sum() - (one_hot_c - one_hot_c.mean()).pow(2).sum()
+    assert (removed / one_hot_c.pow(2).sum()).item() == pytest.approx(v / n, rel=1e-12)
 
 
 @needs_rmsnorm
 def test_one_hot_values_gap_decays_under_both_layernorm_and_rmsnorm():
-    # u_x = e_x: LayerNorm n / sqrt(s (n - s)), RMSNorm sqrt(n / s). Over s = 1 .. v - 1 <= n/2
-    # both fall strictly; their ratio sqrt(n / (n - s)) lies in [1, sqrt(2)].
-    # v = 32, n = 64: LayerNorm 8.06 -> 2.00, RMSNorm 8.00 -> 1.44.
+    # theory.md, Appendix B.2, values e_x: LayerNorm n / sqrt(s (n - s)), RMSNorm sqrt(n / s) fall
+    # over s < v <= n/2, ratio sqrt(n / (n - s)) in [1, sqrt 2]; v = 32: 8.06 -> 2.00, 8.00 -> 1.44.
     v, n = 32, 64
-    one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
-    ln = margins_at_every_length(post_norm_with_values(v, one_hot, "layer"), v, n_perm=1)
-    rms = margins_at_every_length(post_norm_with_values(v, one_hot, "rms"), v, n_perm=1)
+    ln, rms = (margins_at_every_length(post_norm_with_values(v, None, kind), v, n_perm=1)
+               for kind in ("layer", "rms"))
     for gaps in (ln, rms):
         assert all(a > b for a, b in zip(gaps, gaps[1:]))
     for s, (a, b) in enumerate(zip(ln, rms), start=1):
@@ -1254,69 +1144,62 @@ def test_one_hot_values_gap_decays_under_both_layernorm_and_rmsnorm():
 
 @needs_rmsnorm
 def test_common_part_regimes_sqrt_2_and_s_star():
-    # gap(s) = w sqrt(n) (1/s) / sqrt(|c'|^2 + w^2 (1/s - 1/v)) (computed here by torch's
-    # LayerNorm and RMSNorm on the explicit average, eps = 0): for s >= s* = 1 / (|c'|^2/w^2
-    # + 1/v) it lies within [1/sqrt 2, 1] of w sqrt(n) / (s |c'|), below s* within [1/sqrt 2, 1]
-    # of the centred law w sqrt(n v / (s (v - s))) / w.
+    # theory.md, Appendix B.2 (when a common part brings back 1/s), torch's norms on the average at
+    # eps = 0: for s >= s* = 1 / (|c'|^2/w^2 + 1/v) the gap is within [1/sqrt 2, 1] of
+    # w sqrt(n) / (s |c'|), below s* of the centred law sqrt(n v / (s (v - s))).
     v, n, g = 16, 40, torch.Generator().manual_seed(2)
     for w, scale, norm in [(1.0, 0.05, "rms"), (0.7, 0.04, "layer"), (2.0, 0.1, "rms")]:
         c = torch.cat([torch.full((v,), scale, dtype=DT),
                        torch.randn(n - v, generator=g, dtype=DT) * scale])
         c2 = (c if norm == "rms" else c - c.mean()).pow(2).sum().item()     # |c'|^2
         s_star = 1 / (c2 / w**2 + 1 / v)
+        assert 1 < s_star <= v - 1          # both regimes are met
         layer = (torch.nn.RMSNorm(n, eps=0.0) if norm == "rms"
                  else torch.nn.LayerNorm(n, eps=0.0, elementwise_affine=False)).double()
-        regimes = set()
         for s in range(1, v):
             ubar = c.clone()
-            ubar[:v] += w * (torch.tensor([1.0] * s + [0.0] * (v - s), dtype=DT) / s - 1 / v)
+            ubar[:v] += w * ((torch.arange(v) < s).to(DT) / s - 1 / v)
             out = layer(ubar)
             gap = (out[:s].mean() - out[s:v].mean()).item()
             want = w * math.sqrt(n) / s / math.sqrt(c2 + w * w * (1 / s - 1 / v))
             assert gap == pytest.approx(want, rel=1e-10)
-            regimes.add(s >= s_star)
             ratio = gap / (w * math.sqrt(n) / (s * math.sqrt(c2)) if s >= s_star
                            else math.sqrt(n * v / (s * (v - s))))
             assert 1 / math.sqrt(2) - 1e-12 <= ratio <= 1 + 1e-12
-        assert regimes == {False, True}          # both regimes are met
 
 
 @needs_rmsnorm
 def test_one_hot_values_s_star_and_ratios_at_v_minus_1():
-    # One-hot values e_x (w = 1, c = 1/v on the first v features): RMSNorm keeps
-    # |c'|^2 = 1/v, so s* = v/2; LayerNorm at n = 2v keeps 1/v - 1/n, so s* = 2v/3.
-    # At s = v - 1, v = 32, the one-hot gap over the centred Post-Norm gap (hand_built
-    # 'post' at eps = 0) is sqrt(1/v) = 0.18 (RMSNorm) and sqrt(n / ((n - s) v)) = 0.25
-    # (LayerNorm); the one-hot gaps are measured on the model with torch's norms.
+    # theory.md, Appendix B.2, values e_x (w = 1, c = 1/v on v features): s* = v/2 (RMSNorm), 2v/3
+    # (LayerNorm, n = 2v); at s = v - 1, v = 32, the gap over the centred one (hand_built 'post',
+    # eps 0) is sqrt(1/v) = 0.18 (RMSNorm), sqrt(n / ((n - s) v)) = 0.25 (LayerNorm).
     v, n = 32, 64
     c = torch.cat([torch.full((v,), 1.0 / v, dtype=DT), torch.zeros(v, dtype=DT)])
     s_rms = 1 / (c.pow(2).sum().item() + 1 / v)
     s_ln = 1 / ((c - c.mean()).pow(2).sum().item() + 1 / v)
     assert s_rms == pytest.approx(v / 2, rel=1e-12) and s_ln == pytest.approx(2 * v / 3, rel=1e-12)
-    centred = margins_at_every_length(eps_0(R.hand_built(v, "post")), v, n_perm=1)
-    one_hot = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
-    ratios = {kind: margins_at_every_length(post_norm_with_values(v, one_hot, kind), v, n_perm=1)
-              [-1] / centred[-1] for kind in ("rms", "layer")}
+    centred = margins_with_eps_0(v, "post", n_perm=1)
+    ratios = {kind: margins_at_every_length(post_norm_with_values(v, None, kind), v, n_perm=1)[-1]
+              / centred[-1] for kind in ("rms", "layer")}
     assert ratios["rms"] == pytest.approx(math.sqrt(1 / v), rel=1e-10)
     assert ratios["layer"] == pytest.approx(math.sqrt(n / ((n - (v - 1)) * v)), rel=1e-10)
     assert (round(ratios["rms"], 2), round(ratios["layer"], 2)) == (0.18, 0.25)
 
 
 def test_layernorm_centres_any_multiple_of_the_all_ones_vector():
-    # E5: with LayerNorm c' = 0 whenever c is a multiple of 1_n (not vocabulary-centred
-    # values: their average over tokens is c != 0), and then the gap is the centred law.
+    # theory.md, Appendix B.2: with LayerNorm c' = 0 whenever c is a multiple of 1_n (values not
+    # vocabulary-centred: their average over tokens is c != 0), and then the gap is the centred law.
     v, n, w = 12, 24, 0.8
     values = 0.37 * torch.ones(v, n, dtype=DT)
     values[:, :v] += w * (torch.eye(v, dtype=DT) - 1.0 / v)
-    model = post_norm_with_values(v, values, "layer")
-    for s, m in enumerate(margins_at_every_length(model, v, n_perm=2), start=1):
-        assert m == pytest.approx(math.sqrt(n * v / (s * (v - s))), rel=1e-10)
+    assert margins_at_every_length(post_norm_with_values(v, values, "layer"), v, n_perm=2) == (
+        pytest.approx([math.sqrt(n * v / (s * (v - s))) for s in range(1, v)], rel=1e-10))
 
 
 @pytest.mark.parametrize("norm", ["pre", "post-residual", "pre-final", "post"])
 def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
-    # margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0, c = (n-1)/n;
-    # post-residual A = 1, c = (n-1)/n; pre-final A = 1, c = (n-1)^2/n^3; post A = 1, c = 0.
+    # theory.md, C.4: margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0,
+    # c = (n-1)/n; post-residual A = 1, c = (n-1)/n; pre-final 1, (n-1)^2/n^3; post 1, 0.
     v, gamma, n = 12, 0.8, 24
     A, c = {"pre": (0, (n - 1) / n), "post-residual": (1, (n - 1) / n),
             "pre-final": (1, (n - 1) ** 2 / n**3), "post": (1, 0.0)}[norm]
@@ -1327,11 +1210,9 @@ def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
 
 
 def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_over_m2_not_2():
-    # eps = 0, n = 2v. Vaswani's margin relative to the 1/s law anchored at s0,
-    # m(s)/m(s0) * s/s0 = sqrt(((1 - s0/v)/s0 + A) / ((1 - s/v)/s + A)), A = (n-1)/n, grows
-    # with s, and stays below sqrt(1 + (1 - s0/v)/(s0 A)): < sqrt(3/2) for s0 = 2 (1.214 at
-    # v = 32; tends to sqrt(3/2)), and 1.408 for s0 = 1 (tends to sqrt(2)). The hand-built
-    # Post-Norm model has m_1 / m_2 = sqrt(2 (v-2) / (v-1)), not 2 (Theorem 1(a) assumes no norm).
+    # theory.md, C.2 (eps = 0, n = 2v): the gain m(s)/m(s0) * s/s0 grows with s, below its limit:
+    # 1.214 < sqrt(3/2) (s0 = 2), 1.408 < sqrt 2 (s0 = 1) at v = 32. Appendix A: 'post' has
+    # m_1 / m_2 = sqrt(2 (v-2)/(v-1)), not 2.
     v, n = 32, 64
     A, m = (n - 1) / n, margins_with_eps_0(v, "post-residual")
     for s0 in (1, 2):
@@ -1341,7 +1222,7 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
             assert gain == pytest.approx(want, rel=1e-10)
         assert all(a < b for a, b in zip(gains, gains[1:]))
         assert gains[-1] < math.sqrt(1 + (1 - s0 / v) / (s0 * A))
-    gain = lambda vv, s0: (margin_c(vv, "post-residual", vv - 1, eps=0.0)
+    gain = lambda vv, s0: (margin_c(vv, "post-residual", vv - 1, eps=0.0)  # noqa: E731
                            / margin_c(vv, "post-residual", s0, eps=0.0) * (vv - 1) / s0)
     assert (gain(32, 2), gain(32, 1)) == pytest.approx((1.214, 1.408), abs=1e-3)
     assert gain(32, 2) < gain(10**6, 2) < math.sqrt(1.5) and gain(10**6, 2) > math.sqrt(1.5) - 1e-5
@@ -1351,12 +1232,9 @@ def test_vaswani_gain_over_pre_norm_depends_on_the_anchor_and_post_norm_has_m1_o
 
 
 def test_pre_final_construction_resharpens_almost_like_post_norm():
-    # C.3 and C.5, v = 32, eps = 1e-5 (the model's). (a) pre-final's final norm sees the token
-    # (squared length 1) plus the average divided by sigma_1 (squared length (1/s - 1/v) /
-    # sigma_1^2); the average dominates exactly for s < 4 v^2 / (6v - 1) = 21.4 (eps = 0). (b) Each
-    # hand-built model, scaled to margin 6 at s = 12, is balanced with the margin of C.1-C.3 at
-    # every length to 1e-9 relative, a tolerance that sees eps: dropping it changes the margins by
-    # far more (checked). (c) The C.5 table's numbers, to the digits it prints, and its order.
+    # theory.md, C.3, C.5 (v = 32, eps = 1e-5): (a) the final norm sees the token (length^2 1) and
+    # the average (length^2 (1/s - 1/v) / sigma_1^2), larger iff s < 4v^2 / (6v - 1) = 21.4; (b)
+    # scaled to margin 6 at s = 12, C.1-C.3's margins to 1e-9 (which sees eps); (c) C.5's table.
     v, train_len, eps = 32, 12, 1e-5
     n, model = 2 * v, R.hand_built(v, "pre-final")
     perm = permutations(3, v)[:, : v - 1]
@@ -1372,13 +1250,10 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
         gamma = 6.0 / margin_c(v, norm, train_len, 1.0, eps)
         assert margin_c(v, norm, train_len, gamma) == pytest.approx(6.0, rel=1e-12)
         m = margins_at_every_length(R.hand_built(v, norm, gamma), v, n_perm=2)
-        for s, ms in enumerate(m, start=1):
-            assert ms == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-9)
-            assert ms == pytest.approx(margin_c(v, norm, s, gamma), rel=1e-9)
+        assert m == pytest.approx([margin_c(v, norm, s, gamma, eps) for s in range(1, v)], rel=1e-9)
         # eps is visible at this tolerance: the eps = 0 formula is off by more than 1e-6
         assert abs(margin_c(v, norm, v - 1, gamma, 0.0) / m[-1] - 1) > 1e-6
-        tvd = [s / (s + (v - s) * math.exp(ms)) for s, ms in enumerate(m, start=1)]
-        got[norm] = (m[-1], sum(tvd[train_len:]) / (v - 1 - train_len))
+        got[norm] = (m[-1], mean([pi(v, s, ms) for s, ms in enumerate(m, start=1)][train_len:]))
     table = {"post": ("13.137", "0.00298"), "pre-final": ("4.737", "0.0359"),
              "post-residual": ("2.382", "0.1669"), "pre": ("2.323", "0.1728")}
     for norm, printed in table.items():
@@ -1388,16 +1263,13 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
 
 
 def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
-    # Theorem 3(v): at eps = 0 the post model's TVD at length s is
-    # s / (s + (v - s) e^m(s)) <= s / (s + (v - s) e^(2 gamma sqrt(n/v))), with equality only at
-    # s = v/2; measured by evaluate() on hand_built(v, 'post', gamma).
+    # theory.md, Theorem 3(v), eps = 0: evaluate()'s TVD of hand_built(v, 'post', gamma) is pi(s)
+    # <= s / (s + (v - s) e^(2 gamma sqrt(n/v))), with equality only at s = v/2.
     v, gamma, n = 16, 0.6, 32
     m = R.evaluate(eps_0(R.hand_built(v, "post", gamma)), n_perm=4)
-    floor = 2 * gamma * math.sqrt(n / v)
     for s, tvd in zip(m["length"], m["tvd"]):
-        margin = gamma * math.sqrt(n / v) * v / math.sqrt(s * (v - s))
-        assert tvd == pytest.approx(s / (s + (v - s) * math.exp(margin)), rel=1e-9)
-        bound = s / (s + (v - s) * math.exp(floor))
+        assert tvd == pytest.approx(pi(v, s, margin_c(v, "post", s, gamma, eps=0.0)), rel=1e-9)
+        bound = pi(v, s, 2 * gamma * math.sqrt(n / v))
         assert tvd <= bound * (1 + 1e-12) and (abs(tvd - bound) < 1e-12 * bound) == (s == v // 2)
 
 # ---- Part 2: files and checkpoints ----------------------------------------------------------
@@ -1422,8 +1294,12 @@ def test_loading_what_is_not_a_checkpoint_says_what_it_is_in_one_line(tmp_path):
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")   # torch's, not ours
+    model = R.Transformer(R.Config(vocab=5, n_embd=4))   # an EMA of only two of its tensors:
+    torch.save({"config": R.asdict(model.cfg), "model": model.state_dict(),
+                "ema": list(model.parameters())[:2]}, tmp_path / "cut.pt")
     for name, what in [("empty.pt", "an empty file"), ("m.json", "not a file torch.save"),
-                       ("f.png", "not a file torch.save"), ("other.pt", "a torch file without")]:
+                       ("f.png", "not a file torch.save"), ("other.pt", "a torch file without"),
+                       ("cut.pt", "a torch file without")]:
         with pytest.raises(ValueError, match="not a resharpen.py checkpoint: " + what) as e:
             R.load_checkpoint(str(tmp_path / name))
         assert "\n" not in str(e.value) and "weights_only" not in str(e.value)
@@ -1459,11 +1335,15 @@ def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path
         assert len(m[key]) == 7 and len(m["raw"][key]) == 7
     assert R.load_checkpoint(str(out / "ck.pt")).cfg == R.Config(**m["config"])
     assert "mean TVD" in capsys.readouterr().out
-    expect_exit_2(["--save", str(out / "ck.pt")], "--save", capsys)   # never replaces a file
-    with pytest.raises(SystemExit, match="2"):   # an old habit: the grids moved to the lab
-        R.main(["--suite", "--steps", "5"])
-    assert "python plots/lab.py --suite" in capsys.readouterr().err
-    assert R.load_checkpoint(str(out / "ck.pt")).cfg.norm == "post"
+    # --save never replaces a file, whatever the path's spelling: a folder reached through a link,
+    # a link named like a checkpoint to the run's own record, a name the lab writes
+    (tmp_path / "link").symlink_to(out, target_is_directory=True)
+    (tmp_path / "m.pt").symlink_to(out / "metrics.json")
+    for save in ("new/ck.pt", "link/ck.pt", "link/metrics.json", "m.pt", "new/compare.json"):
+        expect_exit_2(["--save", str(tmp_path / save), "--out", str(out)], "--save", capsys)
+    assert R.load_checkpoint(str(out / "ck.pt")).cfg.norm == "post" and load(out / "metrics.json") == m
+    for old in ("--suite", "--compare=1"):   # an old habit: the grids moved to the lab
+        expect_exit_2([old, "--steps", "5"], f"is the lab's: python plots/lab.py {old[:9]} ...", capsys)
 
 
 def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch):
@@ -1482,7 +1362,9 @@ BAD_INPUT = [   # argv, and after " | " the flag its one line names where that i
     "--save SAVE/sub/", "--save ''", "--save /proc/nope/ck.pt",
     # --save: an existing folder, the folder --out makes, files the run writes; a name too long
     "--save SAVE", "--save SAVE/o --out SAVE/o", "--save SAVE/new/metrics.json",
-    "--save SAVE/o/length.png --out SAVE/o", f"--out SAVE/{'x' * 300}",
+    "--save SAVE/o/length.png --out SAVE/o", f"--out SAVE/{'x' * 300}", "--out ''",
+    "--save SAVE/compare.json", "--handout --out '' | --out", "--handout --steps 5 | --steps",
+    "--seed 4294967295 | must be in 0 .. 4294967291, got", "--ema 2 | must be in 0 .. 0.999999,",
     "--seed -1", f"--seed {2**64}", "--n-layer 100000", "--batch-size 10000000",
     # the memory estimate: the model's, exact targets' tensors
     "--vocab 1024 --train-len 1023 | --batch-size",
@@ -1557,10 +1439,8 @@ def test_the_reference_is_800_lines_part_1_400_and_never_asks_which_task_it_runs
 
 
 def test_exercise_commands_still_run(tmp_path, capsys, monkeypatch):
-    # Every `python starter.py ...` line in the README's Exercises section (at least 15; the
-    # reference runs them here: the completed starter is the same script) is accepted; one of
-    # each set of flags (sizes aside) runs for 3 steps, into a temporary folder, with figures
-    # built but not rendered (rendering is tested elsewhere).
+    # Every `python starter.py ...` line of the README's Exercises (15 or more) is accepted by the
+    # reference; one of each set of flags (sizes aside) runs 3 steps, into tmp_path, not rendered.
     section = read("README.md").split("## Exercises", 1)[1].split("\n## ", 1)[0]
     commands = [shlex.split(line)[2:] for line in section.splitlines()
                 if line.startswith("python starter.py")]
@@ -1649,7 +1529,7 @@ def grade_ema(M):
     take its weight from self.beta(self.t), which a subclass may override: with beta(t) = 1/t
     the average is the plain mean of theta_1..theta_t."""
     thetas = [[torch.randn(shape, generator=torch.Generator().manual_seed(k))   # LN gain, bias too
-               for shape in ((2, 3), (2,), (2,), (2,), (4, 2))] for k in range(6)]
+               for shape in ((2, 3), (2,), (2,), (2,), (4, 2))] for k in range(30)]
 
     class Mean(M.EMA):
         def beta(self, t):
@@ -1745,7 +1625,7 @@ def grade_metrics(M):
     repeats = torch.randint(0, 7, (4, 5), generator=g)   # as in a language: s is not the position
     distinct = torch.stack([torch.randperm(7, generator=g)[:6] for _ in range(4)])  # s = 1..6
     a = torch.linspace(0.1, 0.3, 5, dtype=torch.double)[:, None]   # (5, 1): by position
-    b = torch.linspace(0.0, 0.6, 4, dtype=torch.double)[:, None, None]   # (4, 1, 1): by input
+    b = torch.linspace(-3.0, 0.6, 4, dtype=torch.double)[:, None, None]   # (4, 1, 1): by input
     first = lambda group: group & (group.cumsum(-1) == 1)  # noqa: E731  a group's first token
 
     def skew(group, w):   # w (k - 1) on the first of a group's k tokens, -w on the others:
@@ -1763,7 +1643,8 @@ def grade_metrics(M):
          lambda s: {"invalid_mass": balanced(s),
                     "tvd": torch.where(s == 6, balanced(s), math.nan)}),
         ("logits -0.7 on the seen tokens and 0.8 + a + b on the unseen ones (b by input: the gap "
-         "changes with input and position), each group skewed so that its median is not its mean",
+         "changes with input and position, and is negative for some inputs), each group skewed "
+         "so that its median is not its mean",
          repeats,
          lambda seen, s: torch.where(seen, -0.7, 0.8 + a + b) + skew(seen, 0.3) + skew(~seen, -0.3),
          lambda s: {"logit_gap": 1.5 + a + b + 0 * s})]
@@ -1798,6 +1679,8 @@ GAP = ("gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)\n"
        "               - (logits * seen).sum(-1) / seen.sum(-1))")
 WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
     grade_ema: [("beta = self.beta(self.t)", "beta = 1 - self.decay"),     # no bias correction
+                ("beta = self.beta(self.t)",                                 # ... after step 10
+                 "beta = self.beta(self.t) if self.t <= 10 else 1 - self.decay"),
                 ("beta = self.beta(self.t)",                                 # ignores self.beta
                  "beta = (1 - self.decay) / (1 - self.decay**self.t)"),
                 ("avg.lerp_(p, beta)", "avg.lerp_(p, 1 - beta)"),           # weights swapped
@@ -1821,7 +1704,8 @@ WRONG_CODE = {   # plausible mistakes, two or more per grader: each must fail it
                     (GAP, "gap = (logits.masked_fill(seen, math.nan).nanquantile(0.5, -1)\n"
                           "               - logits.masked_fill(~seen, math.nan)"
                           ".nanquantile(0.5, -1))"),                            # medians
-                    (GAP, GAP.replace(".sum(-1)", ".sum()") + ".expand(tvd.shape)")],  # pooled
+                    (GAP, GAP.replace(".sum(-1)", ".sum()") + ".expand(tvd.shape)"),  # pooled
+                    (GAP, GAP + ".abs()")],                                 # the gap's size
 }
 
 
