@@ -1,6 +1,13 @@
-"""Tests for resharpen.py, in the order of the file: each checks one claim against something
-computed independently (a loop over tokens, a closed form, a brute force, PyTorch itself).
-CPU only, seconds. The claims of theory.md are tested where their stage of Part 1 is."""
+"""The specification of resharpen.py and theory.md, as tests: each checks one claim of the paper or
+of theory.md against something computed independently (a loop over tokens, a closed form, a brute
+force, PyTorch itself), on the CPU, in seconds. Sections, in the order of resharpen.py:
+    Part 1        the task, the model, the EMA, training, evaluation
+    theory.md     section 2 and Appendix A (balance, the 1/s law, the dimension bounds), then
+                  section 4 and Appendices B, C (a norm that sees the average resharpens)
+    Part 2        files and checkpoints, the command line
+    graders       Exercises 1-3 (python resharpen.py --handout copies them into grade.py)
+Each section opens with the claims it checks. The lab's tests (grids, statistics, the committed
+tables and the documents' numbers, theory.md's Appendices D and E) are plots/test_lab.py's."""
 
 import contextlib
 import itertools
@@ -35,9 +42,9 @@ DT = torch.double
 needs_rmsnorm = pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"),
                                    reason="torch < 2.4 has no nn.RMSNorm")
 
-# ---- helpers --------------------------------------------------------------------------------
 
-
+# ---- helpers, shared with plots/test_lab.py --------------------------------------------------
+# Small builders and readers; the closed forms margin_c and pi are written from theory.md.
 def tiny(**kw):
     return R.Config(**dict(vocab=7, train_len=4, n_embd=8, n_head=2, steps=1, batch_size=4) | kw)
 
@@ -64,65 +71,6 @@ def load(name):
 
 def mean(xs):
     return sum(xs) / len(xs)
-
-
-def attention_by_hand(x, attn):
-    """One position at a time, one head at a time, with an explicit softmax."""
-    (T, C), hs = x.shape, x.shape[1] // attn.n_head
-    Wq, Wk, Wv = attn.c_attn.weight.split(C, dim=0)  # each (C, C): out x in
-    out = torch.zeros(T, C)
-    for t, h in itertools.product(range(T), range(attn.n_head)):
-        sl = slice(h * hs, (h + 1) * hs)
-        scores = torch.stack([(Wq[sl] @ x[t]) @ (Wk[sl] @ x[i]) / math.sqrt(hs)
-                              for i in range(t + 1)])
-        w = torch.exp(scores - scores.max())
-        out[t, sl] = sum(w[i] / w.sum() * (Wv[sl] @ x[i]) for i in range(t + 1))
-    return out @ attn.c_proj.weight.T
-
-
-class MultiHeadOracle(torch.nn.Module):
-    """Outputs log p* (seen tokens at -1e9); patterns[l][h] is layer l, head h's attention:
-    'uniform' (1/s on each of the s positions seen) or 'self' (all on the last one)."""
-
-    def __init__(self, vocab, patterns):
-        super().__init__()
-        self.patterns, self.dummy = patterns, torch.nn.Parameter(torch.zeros(1))
-        self.cfg = R.Config(vocab=vocab, n_layer=len(patterns), n_head=len(patterns[0]))
-
-    def forward(self, idx, return_attn=False):
-        logits = R.SetComplement(self.cfg).target(idx).clamp_min(1e-30).log().clamp_min(-1e9)
-        T = idx.shape[1]
-        uniform = torch.ones(T, T, dtype=DT).tril() / torch.arange(1, T + 1, dtype=DT)[:, None]
-        pick = {"uniform": uniform, "self": torch.eye(T, dtype=DT)}
-        atts = [torch.stack([pick[p] for p in layer]).expand(idx.shape[0], -1, T, T)
-                for layer in self.patterns]
-        return (logits, atts) if return_attn else logits
-
-
-def ones_complement(v):
-    """Q (v, v-1): orthonormal columns orthogonal to the all-ones vector, so Q Q^T = P."""
-    P = torch.eye(v, dtype=DT) - 1.0 / v
-    Q = torch.linalg.qr(P[:, : v - 1]).Q
-    assert torch.allclose(Q @ Q.T, P, atol=1e-12)
-    return Q
-
-
-def text_model(E, U, W_V, W_O=None, W_Q=None, W_K=None, n_head=1, input_ln=False,
-               bos=False, attn_scale="none"):
-    """theory.md's one-layer model ('pre' block) from its row-vector matrices E (v, n; BOS's row
-    last with bos), U (n, v), W_V, W_O (default I), W_Q, W_K (default 0); no norm but input_ln."""
-    (v_rows, n), zero = E.shape, torch.zeros(E.shape[1], E.shape[1], dtype=DT)
-    W_Q, W_K = zero if W_Q is None else W_Q, zero if W_K is None else W_K
-    W_O, v = torch.eye(n, dtype=DT) if W_O is None else W_O, v_rows - bos
-    model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
-                                   bos=bos, attn_scale=attn_scale)).double().requires_grad_(False)
-    model.wte.weight.copy_(E)   # nn.Linear stores (out, in): the transposes of the text's matrices
-    model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
-    model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
-    model.lm_head.weight.copy_(U.T)
-    if not input_ln:
-        model.blocks[0].ln_1 = torch.nn.Identity()
-    return model.eval()
 
 
 def permutations(n, v, seed=0):
@@ -159,126 +107,10 @@ def margins_at_every_length(model, v, n_perm=4, seed=0, up_to=None):
     return out
 
 
-def balance_equations(v, alpha=None, B_zero=False, b=None):
-    """theory.md 2.1's equations at lengths 1 and 2 as a matrix on (B, D, m_1, m_2), with the split
-    alpha[y][x] (default even); B_zero adds B = 0. With b, Appendix E.3's BOS scored b above the
-    seen tokens, on (B, D, D_0, m_1, m_2)."""
-    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
-    e, k = (0.0, 2 * v * v + 2) if b is None else (math.exp(b), 2 * v * v + v + 2)
-    q1, q2 = 1 / (e + 1), 1 / (e + 2)
-    alpha = alpha or [[q2] * v] * v
-
-    def residual(z):
-        B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
-        D0, m1, m2 = (0.0 if b is None else z[2 * v * v: 2 * v * v + v]), z[-2], z[-1]
-        rows = [(B[x] + e * q1 * D0 + q1 * D[x] + m1 * eye[x]) @ P for x in range(v)]
-        rows += [(B[y] + e * q2 * D0 + alpha[y][x] * D[x] + (1 - e * q2 - alpha[y][x]) * D[y]
-                  + m2 * (eye[x] + eye[y])) @ P
-                 for x in range(v) for y in range(v) if x != y]
-        if B_zero:
-            rows.append(B.reshape(-1))
-        return torch.cat(rows)
-    return torch.stack([residual(col) for col in torch.eye(k, dtype=DT)], dim=1)
-
-
 def null_space(A, tol=1e-9):
     _, S, Vh = torch.linalg.svd(A)
     rank = int((S > tol * S[0]).sum())
     return Vh[rank:].T          # columns: an orthonormal basis of {z : A z = 0}
-
-
-def uneven_split_model(v, b, m2=1.0):
-    """Appendix A's counterexample (width v - 1, no norm): E = Q, own-key bonus b (split
-    a = 1/(1 + e^b)), W_V W_O = mu I, U = nu Q^T; nu = m2 (1 - 2a) / a, mu = -1 / (1 - 2a)."""
-    Q, n, a = ones_complement(v), v - 1, 1 / (1 + math.exp(b))
-    nu, mu, eye = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a), torch.eye(n, dtype=DT)
-    # score(y, x) = Q[y] (b sqrt(n) I) Q[x]^T / sqrt(n) = b (1[x = y] - 1/v)
-    return text_model(Q, nu * Q.T, eye, mu * eye, W_Q=b * math.sqrt(n) * eye, W_K=eye), mu, nu
-
-
-def a_balanced_solution(v, alpha, seed=0):
-    """A solution (B, D, m_1, m_2) of the balance equations with m_2 = 1, not the simplest."""
-    N = null_space(balance_equations(v, [[alpha] * v] * v))
-    z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(seed), dtype=DT)
-    z = z / z[-1]
-    return z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[-2].item(), z[-1].item()
-
-
-def width_2v_minus_2(v, delta):
-    """Appendix A's construction, no norm, n = 2v - 2: E[x] = (0, Q[x]); W_V (with W_O = I)
-    copies the second half into the first (value rank v - 1); U = (-delta Q^T; 0), so B = 0."""
-    r, Q = v - 1, ones_complement(v)
-    W_V = torch.zeros(2 * r, 2 * r, dtype=DT)
-    W_V[r:, :r] = torch.eye(r, dtype=DT)
-    return (torch.cat([torch.zeros(v, r, dtype=DT), Q], 1), W_V,
-            torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)]))
-
-
-def margins_with_eps_0(v, norm, gamma=1.0, n_perm=2):
-    return margins_at_every_length(eps_0(R.hand_built(v, norm, gamma)), v, n_perm=n_perm)
-
-
-def post_norm_with_values(v, values, norm_cls):
-    """hand_built(v, 'post') with token x's value values[x] (None: one-hot, e_x) and an eps-0
-    LayerNorm ('layer') or RMSNorm ('rms') on the attention output."""
-    n, model = 2 * v, R.hand_built(v, "post")
-    if values is None:
-        values = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
-    with torch.no_grad():
-        model.blocks[0].attn.c_attn.weight[2 * n:3 * n, v:] = values.T   # (out, in) layout
-    model.blocks[0].ln_1 = (torch.nn.RMSNorm(n, eps=0.0) if norm_cls == "rms"
-                            else torch.nn.LayerNorm(n, eps=0.0)).double()
-    return model
-
-
-def fit_lengths_1_2(v, n, h, steps=1500, seed=0):
-    """theory.md, Appendix A: the RMS residual of f(t) = B[t_s] + mean_i D[t_i] (widths n, h; Adam,
-    cosine decay) fitted to lengths 1 and 2 with m_1 = 2, m_2 = 1 (the even split)."""
-    g = torch.Generator().manual_seed(seed)
-    init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()  # noqa
-    E, W_V, W_O, U = init(v, n), init(n, h), init(h, n), init(n, v)
-    eye, (x, y) = torch.eye(v), torch.tensor(list(itertools.permutations(range(v), 2))).T
-    opt = torch.optim.Adam([E, W_V, W_O, U], lr=0.02)
-    center = lambda f: f - f.mean(-1, keepdim=True)   # noqa: E731  logits up to a constant
-    for step in range(steps):
-        opt.param_groups[0]["lr"] = 0.01 * (1 + math.cos(math.pi * step / steps))
-        B, D = E @ U, E @ W_V @ W_O @ U
-        length_1 = center(B + D + 2 * eye)                              # input (x)
-        length_2 = center(B[y] + (D[x] + D[y]) / 2 + eye[x] + eye[y])   # input (x, y)
-        loss = torch.cat([length_1, length_2]).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return loss.item() ** 0.5
-
-
-def relative_to_unseen(row, tokens):
-    """Last-position logits minus the unseen tokens' (checked equal) logit: 0 off the input."""
-    unseen = [x for x in range(row.shape[-1]) if x not in tokens]
-    assert (row[unseen] - row[unseen[0]]).abs().max() < 1e-10
-    return row - row[unseen[0]]
-
-
-def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
-    """Width 2v, E[x] = e_(v+x), scores Delta [x = y] (split alpha = 1 / (1 + e^Delta)), D = -I,
-    B = (1 - 2 alpha) I: Theorem 1's balanced solution for split alpha. alpha None: U = 0."""
-    n, eye = 2 * v, torch.eye(v, dtype=DT)
-    E = torch.cat([0 * eye, eye], 1)
-    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
-    W_Q[v:, v:] = Delta * math.sqrt(n) * eye      # q.k / sqrt(n) = Delta [x = y]
-    W_K[v:, v:] = W_V[v:, :v] = eye               # value of x: e_x in the first half
-    U = torch.cat([-eye, (1 - 2 * alpha) * eye]) if alpha is not None else 0 * E.T
-    return text_model(E, U, W_V, None, W_Q, W_K, attn_scale=attn_scale)
-
-
-def length_2_split(model, v):
-    """alpha[y, x], the weight the last token y puts on x at input (x, y) (head 0); the
-    diagonal 1/2, so that alpha / (1 - alpha) is Lemma A's Omega with Omega(y, y) = 1."""
-    pairs = torch.tensor(list(itertools.permutations(range(v), 2)))
-    alpha = torch.full((v, v), 0.5, dtype=DT)
-    with torch.no_grad():
-        alpha[pairs[:, 1], pairs[:, 0]] = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
-    return alpha
 
 
 def margin_c(v, norm, s, gamma=1.0, eps=1e-5):
@@ -311,14 +143,8 @@ def expect_exit_2(argv, flag, capsys, main=R.main):
     assert len(err.splitlines()) == 1 and flag in err, err
 
 
-def student_file(tmp_path, monkeypatch, source):
-    (tmp_path / "mine.py").write_text(source, encoding="utf-8")
-    monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
-
-
-# ---- Part 1: the task (theory.md, section 1) ------------------------------------------------
-
-
+# ---- Part 1: the task (theory.md, section 1) -------------------------------------------------
+# A random ordering samples the target at every length: each next token is uniform over the unseen.
 def test_batches_are_prefixes_of_permutations_and_next_token_is_unseen():
     cfg = tiny(batch_size=200)
     seq = R.SetComplement(cfg).sample(200, cfg.train_len + 1, torch.Generator().manual_seed(0))
@@ -363,7 +189,21 @@ def test_lemma_0_two_or_three_basis_vectors_equal_to_a_constant(v):
         assert N.shape[1] == 0 if v >= 4 else (
             N.shape[1] == 1 and (N[:, 0] - N[0, 0]).abs().max() < 1e-12)
 
-# ---- Part 1: the model ----------------------------------------------------------------------
+
+# ---- Part 1: the model -----------------------------------------------------------------------
+# No positions: one layer's last position sees its prefix as a set; each --norm is its formula.
+def attention_by_hand(x, attn):
+    """One position at a time, one head at a time, with an explicit softmax."""
+    (T, C), hs = x.shape, x.shape[1] // attn.n_head
+    Wq, Wk, Wv = attn.c_attn.weight.split(C, dim=0)  # each (C, C): out x in
+    out = torch.zeros(T, C)
+    for t, h in itertools.product(range(T), range(attn.n_head)):
+        sl = slice(h * hs, (h + 1) * hs)
+        scores = torch.stack([(Wq[sl] @ x[t]) @ (Wk[sl] @ x[i]) / math.sqrt(hs)
+                              for i in range(t + 1)])
+        w = torch.exp(scores - scores.max())
+        out[t, sl] = sum(w[i] / w.sum() * (Wv[sl] @ x[i]) for i in range(t + 1))
+    return out @ attn.c_proj.weight.T
 
 
 @pytest.mark.parametrize("bos", [False, True])
@@ -440,9 +280,9 @@ def test_dropout_acts_on_the_attention_weights_and_on_each_blocks_outputs():
                     ("blocks.0.drop", (1, 3, 8)),            # Attn's output
                     ("blocks.0.drop", (1, 3, 8))]            # MLP's output
 
-# ---- Part 1: the EMA (theory.md, section 5) -------------------------------------------------
 
-
+# ---- Part 1: the EMA (theory.md, section 5) --------------------------------------------------
+# The bias-corrected EMA is its weighted average; section 5's noise model and its variances.
 def test_ema_equals_its_closed_form_weighted_average():
     # theory.md, section 5 (the EMA in the code): avg_t = sum_k (1-d) d^(t-k) theta_k / (1 - d^t).
     d, model = 0.9, torch.nn.Linear(3, 2).requires_grad_(False)
@@ -560,9 +400,9 @@ def test_ema_variance_factor_solves_the_stationary_covariance_equation():
     assert (1 - 0.999) / 1.999 * (1 + 0.999 * 0.99) / (1 - 0.999 * 0.99) == pytest.approx(
         0.0905, abs=1e-4)
 
-# ---- Part 1: training -----------------------------------------------------------------------
 
-
+# ---- Part 1: training ------------------------------------------------------------------------
+# Each step trains lengths 1 .. L on data drawn from --seed; the loss falls; the cosine schedule.
 @pytest.mark.parametrize("targets", ["sampled", "exact"])
 def test_a_few_hundred_steps_lower_the_loss_and_the_first_progress_line_comes_early(targets):
     cfg = R.Config(vocab=10, train_len=5, n_embd=16, steps=160, batch_size=64,
@@ -592,7 +432,26 @@ def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
     assert [R.learning_rate(cfg, t) for t in (1, 51, 101)] == pytest.approx([0.01, 0.005, 0.0])
     assert R.learning_rate(replace(cfg, lr_schedule="constant"), 101) == 0.01
 
-# ---- Part 1: evaluation (theory.md, section 2.4) --------------------------------------------
+
+# ---- Part 1: evaluation (theory.md, section 2.4) ---------------------------------------------
+# Each metric against an oracle or a closed form: balanced logits give TVD = invalid mass = pi.
+class MultiHeadOracle(torch.nn.Module):
+    """Outputs log p* (seen tokens at -1e9); patterns[l][h] is layer l, head h's attention:
+    'uniform' (1/s on each of the s positions seen) or 'self' (all on the last one)."""
+
+    def __init__(self, vocab, patterns):
+        super().__init__()
+        self.patterns, self.dummy = patterns, torch.nn.Parameter(torch.zeros(1))
+        self.cfg = R.Config(vocab=vocab, n_layer=len(patterns), n_head=len(patterns[0]))
+
+    def forward(self, idx, return_attn=False):
+        logits = R.SetComplement(self.cfg).target(idx).clamp_min(1e-30).log().clamp_min(-1e9)
+        T = idx.shape[1]
+        uniform = torch.ones(T, T, dtype=DT).tril() / torch.arange(1, T + 1, dtype=DT)[:, None]
+        pick = {"uniform": uniform, "self": torch.eye(T, dtype=DT)}
+        atts = [torch.stack([pick[p] for p in layer]).expand(idx.shape[0], -1, T, T)
+                for layer in self.patterns]
+        return (logits, atts) if return_attn else logits
 
 
 def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
@@ -672,7 +531,101 @@ def test_cross_entropy_of_balanced_logits_falls_with_delta_and_has_no_minimizer(
     # and the infimum log(v - s) is not reached
     assert all(row[s - 1] > math.log(v - s) for row in losses for s in range(1, v))
 
-# ---- theory.md, section 2: balance at lengths 1 and 2, and the 1/s law ----------------------
+
+# ---- theory.md, section 2: balance at lengths 1 and 2, and the 1/s law -----------------------
+# Theorems 1-2, Lemma A, Corollary 2: balance at lengths 1 and 2 fixes f; the margin falls as 1/s.
+def ones_complement(v):
+    """Q (v, v-1): orthonormal columns orthogonal to the all-ones vector, so Q Q^T = P."""
+    P = torch.eye(v, dtype=DT) - 1.0 / v
+    Q = torch.linalg.qr(P[:, : v - 1]).Q
+    assert torch.allclose(Q @ Q.T, P, atol=1e-12)
+    return Q
+
+
+def text_model(E, U, W_V, W_O=None, W_Q=None, W_K=None, n_head=1, input_ln=False,
+               bos=False, attn_scale="none"):
+    """theory.md's one-layer model ('pre' block) from its row-vector matrices E (v, n; BOS's row
+    last with bos), U (n, v), W_V, W_O (default I), W_Q, W_K (default 0); no norm but input_ln."""
+    (v_rows, n), zero = E.shape, torch.zeros(E.shape[1], E.shape[1], dtype=DT)
+    W_Q, W_K = zero if W_Q is None else W_Q, zero if W_K is None else W_K
+    W_O, v = torch.eye(n, dtype=DT) if W_O is None else W_O, v_rows - bos
+    model = R.Transformer(R.Config(vocab=v, n_embd=n, n_head=n_head, norm="pre",
+                                   bos=bos, attn_scale=attn_scale)).double().requires_grad_(False)
+    model.wte.weight.copy_(E)   # nn.Linear stores (out, in): the transposes of the text's matrices
+    model.blocks[0].attn.c_attn.weight.copy_(torch.cat([W_Q.T, W_K.T, W_V.T]))
+    model.blocks[0].attn.c_proj.weight.copy_(W_O.T)
+    model.lm_head.weight.copy_(U.T)
+    if not input_ln:
+        model.blocks[0].ln_1 = torch.nn.Identity()
+    return model.eval()
+
+
+def balance_equations(v, alpha=None, B_zero=False, b=None):
+    """theory.md 2.1's equations at lengths 1 and 2 as a matrix on (B, D, m_1, m_2), with the split
+    alpha[y][x] (default even); B_zero adds B = 0. With b, Appendix E.3's BOS scored b above the
+    seen tokens, on (B, D, D_0, m_1, m_2)."""
+    P, eye = torch.eye(v, dtype=DT) - 1.0 / v, torch.eye(v, dtype=DT)
+    e, k = (0.0, 2 * v * v + 2) if b is None else (math.exp(b), 2 * v * v + v + 2)
+    q1, q2 = 1 / (e + 1), 1 / (e + 2)
+    alpha = alpha or [[q2] * v] * v
+
+    def residual(z):
+        B, D = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v)
+        D0, m1, m2 = (0.0 if b is None else z[2 * v * v: 2 * v * v + v]), z[-2], z[-1]
+        rows = [(B[x] + e * q1 * D0 + q1 * D[x] + m1 * eye[x]) @ P for x in range(v)]
+        rows += [(B[y] + e * q2 * D0 + alpha[y][x] * D[x] + (1 - e * q2 - alpha[y][x]) * D[y]
+                  + m2 * (eye[x] + eye[y])) @ P
+                 for x in range(v) for y in range(v) if x != y]
+        if B_zero:
+            rows.append(B.reshape(-1))
+        return torch.cat(rows)
+    return torch.stack([residual(col) for col in torch.eye(k, dtype=DT)], dim=1)
+
+
+def uneven_split_model(v, b, m2=1.0):
+    """Appendix A's counterexample (width v - 1, no norm): E = Q, own-key bonus b (split
+    a = 1/(1 + e^b)), W_V W_O = mu I, U = nu Q^T; nu = m2 (1 - 2a) / a, mu = -1 / (1 - 2a)."""
+    Q, n, a = ones_complement(v), v - 1, 1 / (1 + math.exp(b))
+    nu, mu, eye = m2 * (1 - 2 * a) / a, -1 / (1 - 2 * a), torch.eye(n, dtype=DT)
+    # score(y, x) = Q[y] (b sqrt(n) I) Q[x]^T / sqrt(n) = b (1[x = y] - 1/v)
+    return text_model(Q, nu * Q.T, eye, mu * eye, W_Q=b * math.sqrt(n) * eye, W_K=eye), mu, nu
+
+
+def a_balanced_solution(v, alpha, seed=0):
+    """A solution (B, D, m_1, m_2) of the balance equations with m_2 = 1, not the simplest."""
+    N = null_space(balance_equations(v, [[alpha] * v] * v))
+    z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(seed), dtype=DT)
+    z = z / z[-1]
+    return z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[-2].item(), z[-1].item()
+
+
+def relative_to_unseen(row, tokens):
+    """Last-position logits minus the unseen tokens' (checked equal) logit: 0 off the input."""
+    unseen = [x for x in range(row.shape[-1]) if x not in tokens]
+    assert (row[unseen] - row[unseen[0]]).abs().max() < 1e-10
+    return row - row[unseen[0]]
+
+
+def pair_score_model(v, Delta, alpha=None, attn_scale="none"):
+    """Width 2v, E[x] = e_(v+x), scores Delta [x = y] (split alpha = 1 / (1 + e^Delta)), D = -I,
+    B = (1 - 2 alpha) I: Theorem 1's balanced solution for split alpha. alpha None: U = 0."""
+    n, eye = 2 * v, torch.eye(v, dtype=DT)
+    E = torch.cat([0 * eye, eye], 1)
+    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
+    W_Q[v:, v:] = Delta * math.sqrt(n) * eye      # q.k / sqrt(n) = Delta [x = y]
+    W_K[v:, v:] = W_V[v:, :v] = eye               # value of x: e_x in the first half
+    U = torch.cat([-eye, (1 - 2 * alpha) * eye]) if alpha is not None else 0 * E.T
+    return text_model(E, U, W_V, None, W_Q, W_K, attn_scale=attn_scale)
+
+
+def length_2_split(model, v):
+    """alpha[y, x], the weight the last token y puts on x at input (x, y) (head 0); the
+    diagonal 1/2, so that alpha / (1 - alpha) is Lemma A's Omega with Omega(y, y) = 1."""
+    pairs = torch.tensor(list(itertools.permutations(range(v), 2)))
+    alpha = torch.full((v, v), 0.5, dtype=DT)
+    with torch.no_grad():
+        alpha[pairs[:, 1], pairs[:, 0]] = model(pairs, return_attn=True)[1][0][:, 0, 1, 0]
+    return alpha
 
 
 @pytest.mark.parametrize("v", [3, 5])
@@ -853,7 +806,38 @@ def test_pre_norm_margin_decays_like_two_over_s():
     m2, model = margin_c(20, "pre", 2), R.evaluate(R.hand_built(20, "pre"), n_perm=10)
     assert model["logit_gap"] == pytest.approx([2 / s * m2 for s in model["length"]], rel=1e-5)
 
-# ---- theory.md, Appendix A: dimension bounds ------------------------------------------------
+
+# ---- theory.md, Appendix A: dimension bounds -------------------------------------------------
+# Value dimension v - 1 and width 2v - 2 (2v - 3 with Pre-Norm's norm) are needed, and reached.
+def width_2v_minus_2(v, delta):
+    """Appendix A's construction, no norm, n = 2v - 2: E[x] = (0, Q[x]); W_V (with W_O = I)
+    copies the second half into the first (value rank v - 1); U = (-delta Q^T; 0), so B = 0."""
+    r, Q = v - 1, ones_complement(v)
+    W_V = torch.zeros(2 * r, 2 * r, dtype=DT)
+    W_V[r:, :r] = torch.eye(r, dtype=DT)
+    return (torch.cat([torch.zeros(v, r, dtype=DT), Q], 1), W_V,
+            torch.cat([-delta * Q.T, torch.zeros(r, v, dtype=DT)]))
+
+
+def fit_lengths_1_2(v, n, h, steps=1500, seed=0):
+    """theory.md, Appendix A: the RMS residual of f(t) = B[t_s] + mean_i D[t_i] (widths n, h; Adam,
+    cosine decay) fitted to lengths 1 and 2 with m_1 = 2, m_2 = 1 (the even split)."""
+    g = torch.Generator().manual_seed(seed)
+    init = lambda *shape: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()  # noqa
+    E, W_V, W_O, U = init(v, n), init(n, h), init(h, n), init(n, v)
+    eye, (x, y) = torch.eye(v), torch.tensor(list(itertools.permutations(range(v), 2))).T
+    opt = torch.optim.Adam([E, W_V, W_O, U], lr=0.02)
+    center = lambda f: f - f.mean(-1, keepdim=True)   # noqa: E731  logits up to a constant
+    for step in range(steps):
+        opt.param_groups[0]["lr"] = 0.01 * (1 + math.cos(math.pi * step / steps))
+        B, D = E @ U, E @ W_V @ W_O @ U
+        length_1 = center(B + D + 2 * eye)                              # input (x)
+        length_2 = center(B[y] + (D[x] + D[y]) / 2 + eye[x] + eye[y])   # input (x, y)
+        loss = torch.cat([length_1, length_2]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item() ** 0.5
 
 
 def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
@@ -973,7 +957,24 @@ def test_B_zero_forces_the_even_split_and_width_v_minus_1_suffices():
     # with the residual path the same weights are not balanced at length 2 (B = -delta P)
     assert balanced_margin(model(perm)[0, 1], perm[0, :2].tolist()) is None
 
-# ---- theory.md, section 4 and Appendices B, C: a norm that sees the average -----------------
+
+# ---- theory.md, section 4 and Appendices B, C: a norm that sees the average ------------------
+# Theorem 3: a norm on the average gives the margin v / sqrt(s (v - s)); B: variants; C: 4 models.
+def margins_with_eps_0(v, norm, gamma=1.0, n_perm=2):
+    return margins_at_every_length(eps_0(R.hand_built(v, norm, gamma)), v, n_perm=n_perm)
+
+
+def post_norm_with_values(v, values, norm_cls):
+    """hand_built(v, 'post') with token x's value values[x] (None: one-hot, e_x) and an eps-0
+    LayerNorm ('layer') or RMSNorm ('rms') on the attention output."""
+    n, model = 2 * v, R.hand_built(v, "post")
+    if values is None:
+        values = torch.cat([torch.eye(v, dtype=DT), torch.zeros(v, v, dtype=DT)], 1)
+    with torch.no_grad():
+        model.blocks[0].attn.c_attn.weight[2 * n:3 * n, v:] = values.T   # (out, in) layout
+    model.blocks[0].ln_1 = (torch.nn.RMSNorm(n, eps=0.0) if norm_cls == "rms"
+                            else torch.nn.LayerNorm(n, eps=0.0)).double()
+    return model
 
 
 @pytest.mark.parametrize("vocab", [5, 12, 32])
@@ -1272,9 +1273,9 @@ def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
         bound = pi(v, s, 2 * gamma * math.sqrt(n / v))
         assert tvd <= bound * (1 + 1e-12) and (abs(tvd - bound) < 1e-12 * bound) == (s == v // 2)
 
-# ---- Part 2: files and checkpoints ----------------------------------------------------------
 
-
+# ---- Part 2: files and checkpoints -----------------------------------------------------------
+# A checkpoint reloads exactly; a file that is none says so in a line; no file is half written.
 def test_save_and_load_give_identical_logits(tmp_path):
     cfg = R.Config(vocab=8, train_len=4, n_embd=8, steps=30, batch_size=8, ema=0.9, device="cpu")
     model, (ema,), _ = R.train(cfg, log=lambda *a: None)
@@ -1319,9 +1320,9 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.md"]   # no half b.png, no temporary file
     assert (tmp_path / "a.md").read_text(encoding="utf-8") == "new\n"
 
-# ---- Part 2: the command line ---------------------------------------------------------------
 
-
+# ---- Part 2: the command line ----------------------------------------------------------------
+# The main command writes what the README shows; bad input, a NaN, Ctrl-C: one line, no training.
 def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path, capsys):
     out = tmp_path / "new"   # --out X --save X/ck.pt with X new
     R.main(["--vocab", "8", "--train-len", "3", "--steps", "10", "--batch-size", "8",
@@ -1341,9 +1342,10 @@ def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path
     (tmp_path / "m.pt").symlink_to(out / "metrics.json")
     for save in ("new/ck.pt", "link/ck.pt", "link/metrics.json", "m.pt", "new/compare.json"):
         expect_exit_2(["--save", str(tmp_path / save), "--out", str(out)], "--save", capsys)
-    assert R.load_checkpoint(str(out / "ck.pt")).cfg.norm == "post" and load(out / "metrics.json") == m
+    assert R.load_checkpoint(str(out / "ck.pt")).cfg.norm == "post"
+    assert load(out / "metrics.json") == m
     for old in ("--suite", "--compare=1"):   # an old habit: the grids moved to the lab
-        expect_exit_2([old, "--steps", "5"], f"is the lab's: python plots/lab.py {old[:9]} ...", capsys)
+        expect_exit_2([old, "--steps", "5"], f"lab's: python plots/lab.py {old[:9]} ...", capsys)
 
 
 def test_training_on_every_length_runs_to_the_end(tmp_path, capsys, monkeypatch):
@@ -1672,6 +1674,11 @@ def test_write_post():
 def test_write_metrics():
     with time_limit(GRADE_SECONDS):
         grade_metrics(student_module())
+
+
+def student_file(tmp_path, monkeypatch, source):
+    (tmp_path / "mine.py").write_text(source, encoding="utf-8")
+    monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
 # end of the graders
 
 
