@@ -44,38 +44,38 @@ def expect_exit_2(argv, flag, capsys):   # the lab's command line
     T.expect_exit_2(argv, flag, capsys, B.main)
 
 
+# ---- BEMA (theory.md, section 5) -------------------------------------------------------------
+# BEMA is its closed form; without its correction it is the EMA with BEMA's schedule.
+def test_bema_equals_its_closed_form():
+    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
+    # bema_t = a_t (theta_t - theta_0) + ema_t
+    model = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
+    theta0, bema = model.weight.detach().clone(), B.BEMA(model)
+    thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    ema = theta0
+    for t, th in enumerate(thetas, start=1):
+        model.weight.copy_(th)
+        bema.update(model)
+        b, a = (10 + t) ** -0.5, (10 + t) ** -0.2
+        ema = (1 - b) * ema + b * th
+    assert torch.allclose(bema.averaged()[0], a * (thetas[-1] - theta0) + ema, atol=1e-6)
 
 
-def random_one_layer(norm, bos=False, n_layer=1):
-    return randomize(R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
-                                            bos=bos, n_layer=n_layer)).double())
+def test_bema_without_correction_is_the_ema_with_the_same_schedule():
+    model = torch.nn.Linear(3, 3).requires_grad_(False)
+    bema, plain = B.BEMA(model, correct=False), R.EMA(model, decay=0.5)
+    plain.beta = bema.beta          # same schedule, plain update rule
+    for k in range(6):
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+        bema.update(model)
+        plain.update(model)
+    for a, b in zip(bema.averaged(), plain.averaged()):
+        assert torch.allclose(a, b)
 
 
-def last(model, seq):
-    return model(torch.tensor([seq]))[0, -1]
-
-
-def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
-    """E.3's model in the Transformer with --bos: B = -d, D = -delta I + d, BOS value d (d != 0),
-    BOS score b above the others, and an own-key bonus Delta. Features: 0 constant, 1 BOS
-    flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token (not read)."""
-    n, eye = 2 * v + 2, torch.eye(v, dtype=DT)
-    d, E = torch.linspace(-1, 1, v, dtype=DT) ** 2, torch.zeros(v + 1, n, dtype=DT)
-    E[:, 0] = E[v, 1] = 1.0                           # constant, BOS flag
-    E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
-    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
-    W_Q[0, 0] = b * math.sqrt(n)                      # every query (1, 0, ..)
-    W_K[1, 0] = 1.0                                   # key 1 on BOS only: score b
-    W_Q[v + 2:, v + 2:] = Delta * math.sqrt(n) * eye  # own-key bonus Delta
-    W_K[v + 2:, v + 2:] = eye
-    W_V[0, 2:v + 2] = d                               # constant feature -> d
-    W_V[v + 2:, 2:v + 2] = -delta * eye               # token x -> -delta e_x
-    U = torch.zeros(n, v, dtype=DT)
-    U[2:v + 2] = eye
-    U[0] = -d                                         # B = -d
-    return text_model(E, U, W_V, None, W_Q, W_K, bos=True, attn_scale=attn_scale)
-
-
+# ---- formal languages (theory.md, Appendix D) ------------------------------------------------
+# The automata against brute force; what one layer, BOS and a norm can see of a stack.
 def legal_prefix(seq, task, k, D):
     """Is seq a prefix of some stream of the language?"""
     stack, counts = [], [0] * k
@@ -120,54 +120,13 @@ LANGUAGES = [dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brack
              dict(task="shuffle", brackets=2), dict(task="shuffle", brackets=1)]
 
 
-
-def test_the_lab_predicts_theory_md_s_margins_and_tvds():
-    # --theory draws predicted_margin and predicted_tvd: Appendix C's margins (margin_c, written
-    # from theory.md), with eps and at eps = 0, and section 2.4's pi, at every length.
-    for v, norm, gamma, eps in itertools.product((5, 32), R.NORMS, (0.7, 1.0), (1e-5, 0.0)):
-        for s in range(1, v):
-            m = B.predicted_margin(v, norm, s, gamma, eps)
-            assert m == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-12)
-            assert B.predicted_tvd(v, s, m) == pytest.approx(pi(v, s, m), rel=1e-12)
+def random_one_layer(norm, bos=False, n_layer=1):
+    return randomize(R.Transformer(R.Config(vocab=5, n_embd=8, n_head=2, norm=norm, mlp=True,
+                                            bos=bos, n_layer=n_layer)).double())
 
 
-def test_theory_tvd_never_overflows():
-    assert 0 <= B.predicted_tvd(1024, 900, 5000.0) < 1e-300   # e^-5000: 0 in float64
-    assert 0 <= B.predicted_tvd(128, 119, 1e6) < 1e-300
-    assert B.predicted_tvd(32, 5, 3.0) == pytest.approx(5 / (5 + 27 * math.exp(3.0)))
-    assert B.predicted_tvd(32, 5, -1e6) == 1.0
-
-# ---- Part 2: BEMA ---------------------------------------------------------------------------
-
-
-def test_bema_equals_its_closed_form():
-    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
-    # bema_t = a_t (theta_t - theta_0) + ema_t
-    model = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
-    theta0, bema = model.weight.detach().clone(), B.BEMA(model)
-    thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
-    ema = theta0
-    for t, th in enumerate(thetas, start=1):
-        model.weight.copy_(th)
-        bema.update(model)
-        b, a = (10 + t) ** -0.5, (10 + t) ** -0.2
-        ema = (1 - b) * ema + b * th
-    assert torch.allclose(bema.averaged()[0], a * (thetas[-1] - theta0) + ema, atol=1e-6)
-
-
-def test_bema_without_correction_is_the_ema_with_the_same_schedule():
-    model = torch.nn.Linear(3, 3).requires_grad_(False)
-    bema, plain = B.BEMA(model, correct=False), R.EMA(model, decay=0.5)
-    plain.beta = bema.beta          # same schedule, plain update rule
-    for k in range(6):
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
-        bema.update(model)
-        plain.update(model)
-    for a, b in zip(bema.averaged(), plain.averaged()):
-        assert torch.allclose(a, b)
-
-# ---- Part 2: formal languages (theory.md, Appendix D) ---------------------------------------
+def last(model, seq):
+    return model(torch.tensor([seq]))[0, -1]
 
 
 @pytest.mark.parametrize("lang", LANGUAGES, ids=str)
@@ -319,7 +278,28 @@ def test_a_norm_on_a_bos_average_recovers_the_depth_at_any_length():
         assert torch.allclose(ln(short), ln(long), atol=1e-12)
     assert not torch.allclose(ln(attn_average(1, 0)), ln(attn_average(2, 0)))
 
-# ---- Part 2: other remedies (theory.md, Appendix E) -----------------------------------------
+
+# ---- log-length scaling and the other remedies (theory.md, Appendix E) -----------------------
+# Scaling, dropout and a BOS sink leave the 1/s law of section 2 (E.1-E.3).
+def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
+    """E.3's model in the Transformer with --bos: B = -d, D = -delta I + d, BOS value d (d != 0),
+    BOS score b above the others, and an own-key bonus Delta. Features: 0 constant, 1 BOS
+    flag, 2 .. v+1 read by U, v+2 .. 2v+1 the token (not read)."""
+    n, eye = 2 * v + 2, torch.eye(v, dtype=DT)
+    d, E = torch.linspace(-1, 1, v, dtype=DT) ** 2, torch.zeros(v + 1, n, dtype=DT)
+    E[:, 0] = E[v, 1] = 1.0                           # constant, BOS flag
+    E[torch.arange(v), v + 2 + torch.arange(v)] = 1.0
+    W_Q, W_K, W_V = (torch.zeros(n, n, dtype=DT) for _ in range(3))
+    W_Q[0, 0] = b * math.sqrt(n)                      # every query (1, 0, ..)
+    W_K[1, 0] = 1.0                                   # key 1 on BOS only: score b
+    W_Q[v + 2:, v + 2:] = Delta * math.sqrt(n) * eye  # own-key bonus Delta
+    W_K[v + 2:, v + 2:] = eye
+    W_V[0, 2:v + 2] = d                               # constant feature -> d
+    W_V[v + 2:, 2:v + 2] = -delta * eye               # token x -> -delta e_x
+    U = torch.zeros(n, v, dtype=DT)
+    U[2:v + 2] = eye
+    U[0] = -d                                         # B = -d
+    return text_model(E, U, W_V, None, W_Q, W_K, bos=True, attn_scale=attn_scale)
 
 
 def test_log_length_scaling_multiplies_each_querys_scores_by_s_h_log_n():
@@ -488,9 +468,9 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
                 elif s > 1:
                     assert (rel[t].max() - rel[t].min()).item() > 1e-3   # not balanced
 
-# ---- Part 2: the grids and their statistics -------------------------------------------------
 
-
+# ---- the runner and the grids ----------------------------------------------------------------
+# Every grid runs end to end; runs files are kept whole, checked and resumed; Ctrl-C and the ETA.
 def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     skip_rendering(monkeypatch)
     monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)   # in this process
@@ -575,36 +555,6 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert text.isascii() and capsys.readouterr().out.isascii()
 
 
-def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
-    # Wilson 95 % interval of 8 of 10, from the formula by hand: 0.4902 .. 0.9433.
-    assert B.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
-    # Exact tests against counting all 2^n sign patterns.
-    for n in range(1, 9):
-        for k in range(n + 1):
-            extreme = sum(1 for signs in itertools.product((0, 1), repeat=n)
-                          if abs(sum(signs) - n / 2) >= abs(k - n / 2))
-            assert B.sign_test(k, n) == pytest.approx(extreme / 2**n)
-    diffs = [0.5, -1.25, 2.0, 3.5, -0.25, 1.0, 4.0, -3.0]
-    ranks = [r for r, _ in enumerate(sorted(diffs, key=abs), start=1)]
-    signed = sorted(diffs, key=abs)
-    w = sum(r for r, d in zip(ranks, signed) if d > 0)
-    mid = sum(ranks) / 2
-    extreme = sum(1 for signs in itertools.product((0, 1), repeat=len(diffs))
-                  if abs(sum(r * s for r, s in zip(ranks, signs)) - mid) >= abs(w - mid))
-    assert B.wilcoxon(diffs) == pytest.approx(extreme / 2**len(diffs))
-    assert B.wilcoxon([1.0, 1.0, -1.0]) == pytest.approx(1.0)   # ties: ranks 2, 2, 2
-    med, lo, hi = B.bootstrap_median((1.0, 2.0, 3.0, 4.0, 100.0), reps=2000)
-    assert med == 3.0 and 1.0 <= lo <= med <= hi <= 100.0
-    # Zeros (ties of the pair) are dropped by both tests: 6 zeros and 4 wins is 4 of 4.
-    st = B.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
-    assert st["sign_p"] == pytest.approx(B.sign_test(4, 4)) == pytest.approx(0.125)
-    assert st["wilcoxon_p"] == pytest.approx(0.125) and st["post_wins"] == 4 and st["n"] == 10
-    # Paired t interval: differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
-    m, lo, hi = B.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert m == 3.0 and hi - m == pytest.approx(2.776 * math.sqrt(2.5 / 5), rel=1e-12)
-    assert lo == pytest.approx(3.0 - 1.9630, abs=1e-4)       # by hand: 2.776 x 0.7071
-
-
 def test_the_pool_workers_start_with_ctrl_c_ignored(monkeypatch, capsys):
     # Ctrl-C goes to the parent alone, which stops the workers: none prints a traceback.
     seen = []
@@ -626,30 +576,6 @@ def test_the_pool_workers_start_with_ctrl_c_ignored(monkeypatch, capsys):
         B.run_grid([R.Config(), B.replace(R.Config(), seed=1)], "cpu")
     assert seen == [signal.SIG_IGN, "terminated"]
     assert signal.getsignal(signal.SIGINT) is before
-
-
-LAB_BAD_INPUT = [   # argv, and after " | " the flag its one line names where that is not argv[0]
-    "--vocab 8 | give one mode", "--task dyck --compare", "--compare --suite | --suite", "--theory --resume | --resume",
-    "--compare --vocab 8 --train-len 4 | --train-len", "--save SAVE/m.pt --theory",
-    "--compare --post-norm | --post-norm", "--compare --ema 0.9 | --ema", "--theory --steps 5 | --steps",
-    "--suite --vocab 9 | --vocab", "--suite --train-len 1000 | --train-len",
-    "--suite --train-len 1024 | --train-len", "--compare --steps 0 | --steps", "--compare --seed -1 | --seed",
-    f"--suite --seed {2**32 - 4} | --seed", "--compare --attn-scale cubic | --attn-scale",
-    "--compare --dropout 0.1 | --dropout", "--search 0", "--search 4 --vocab 8 | --vocab",
-    "--search 4 --lrs 0.1,2 | --lrs", "--compare --lrs 0.1,0.1 | --lrs", "--compare --lrs x | --lrs",
-    "--compare --norms pre,middle | --norms", "--compare --regimes sampled/linear | --regimes",
-    "--theory --vocab 1024 --train-len 900 | --vocab", "--compare --no-mlp-norm | --no-mlp-norm",
-    "--search 4 --mlp --no-mlp-norm | --no-mlp-norm", "--search 4 --mlp --lrs 0.01,0.1 | --lrs",
-    "--tables", "--compare --ste 5 | --ste", "--compare --norm post | --norm",
-    # the memory estimate of the suite: Dyck's evaluation's attention
-    "--suite --train-len 256 --n-layer 16 --n-head 64 --n-embd 64 --batch-size 1 | --batch-size",
-    f"--compare --device {'mps' if torch.cuda.is_available() else 'cuda'} | --device"]
-
-
-@pytest.mark.parametrize("case", LAB_BAD_INPUT)
-def test_bad_input_of_the_lab_exits_2_with_one_line_before_training(case, capsys, tmp_path):
-    T.test_bad_input_exits_2_with_one_line_before_training(case, capsys, tmp_path, B.main)
-
 
 
 def test_a_grid_counts_the_runs_it_trains_at_once(monkeypatch, capsys, tmp_path):
@@ -691,7 +617,8 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
                 k: v for k, v in run.items() if k != "raw"}, "(no key 'raw')")] + [
                 (edited, "(a metric that is not 31 finite numbers)") for edited in [
                     {**run, "ema": {**m, "tvd": m["tvd"][1:]}}, {**run, "raw": {**m, "kl": None}},
-                    {**run, "bema": {**m, "tvd": ["0.1"] * 31}}, {**run, "ema": {**m, "gap": m["tvd"]}},
+                    {**run, "bema": {**m, "tvd": ["0.1"] * 31}},
+                    {**run, "ema": {**m, "gap": m["tvd"]}},
                     {**run, "raw": {k: v for k, v in m.items() if k != "logit_gap"}},
                     {**run, "ema": {**m, "kl": [math.nan] * 31}}]]] + [
             ([run], ["--resume", "utf-16"], "not UTF-8 text"), (["\ufeff{}"], ["--resume"], "mark")]:
@@ -760,8 +687,55 @@ def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
     assert len(done) == 8 and etas == ["70s", "60s", "50s", "40s", "30s", "20s", "10s", "0s"]
 
 
-def test_the_lab_sets_the_thread_policy_as_the_reference_does(monkeypatch):
-    T.test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch, "plots/lab.py")
+# ---- statistics ------------------------------------------------------------------------------
+# The tests and intervals of the search and the suite against brute force and known values.
+def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
+    # Wilson 95 % interval of 8 of 10, from the formula by hand: 0.4902 .. 0.9433.
+    assert B.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
+    # Exact tests against counting all 2^n sign patterns.
+    for n in range(1, 9):
+        for k in range(n + 1):
+            extreme = sum(1 for signs in itertools.product((0, 1), repeat=n)
+                          if abs(sum(signs) - n / 2) >= abs(k - n / 2))
+            assert B.sign_test(k, n) == pytest.approx(extreme / 2**n)
+    diffs = [0.5, -1.25, 2.0, 3.5, -0.25, 1.0, 4.0, -3.0]
+    ranks = [r for r, _ in enumerate(sorted(diffs, key=abs), start=1)]
+    signed = sorted(diffs, key=abs)
+    w = sum(r for r, d in zip(ranks, signed) if d > 0)
+    mid = sum(ranks) / 2
+    extreme = sum(1 for signs in itertools.product((0, 1), repeat=len(diffs))
+                  if abs(sum(r * s for r, s in zip(ranks, signs)) - mid) >= abs(w - mid))
+    assert B.wilcoxon(diffs) == pytest.approx(extreme / 2**len(diffs))
+    assert B.wilcoxon([1.0, 1.0, -1.0]) == pytest.approx(1.0)   # ties: ranks 2, 2, 2
+    med, lo, hi = B.bootstrap_median((1.0, 2.0, 3.0, 4.0, 100.0), reps=2000)
+    assert med == 3.0 and 1.0 <= lo <= med <= hi <= 100.0
+    # Zeros (ties of the pair) are dropped by both tests: 6 zeros and 4 wins is 4 of 4.
+    st = B.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
+    assert st["sign_p"] == pytest.approx(B.sign_test(4, 4)) == pytest.approx(0.125)
+    assert st["wilcoxon_p"] == pytest.approx(0.125) and st["post_wins"] == 4 and st["n"] == 10
+    # Paired t interval: differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
+    m, lo, hi = B.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert m == 3.0 and hi - m == pytest.approx(2.776 * math.sqrt(2.5 / 5), rel=1e-12)
+    assert lo == pytest.approx(3.0 - 1.9630, abs=1e-4)       # by hand: 2.776 x 0.7071
+
+
+# ---- --theory and --tables -------------------------------------------------------------------
+# theory.md's closed forms drawn on the hand-built models; --tables checks its ROOT.
+def test_the_lab_predicts_theory_md_s_margins_and_tvds():
+    # --theory draws predicted_margin and predicted_tvd: Appendix C's margins (margin_c, written
+    # from theory.md), with eps and at eps = 0, and section 2.4's pi, at every length.
+    for v, norm, gamma, eps in itertools.product((5, 32), R.NORMS, (0.7, 1.0), (1e-5, 0.0)):
+        for s in range(1, v):
+            m = B.predicted_margin(v, norm, s, gamma, eps)
+            assert m == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-12)
+            assert B.predicted_tvd(v, s, m) == pytest.approx(pi(v, s, m), rel=1e-12)
+
+
+def test_theory_tvd_never_overflows():
+    assert 0 <= B.predicted_tvd(1024, 900, 5000.0) < 1e-300   # e^-5000: 0 in float64
+    assert 0 <= B.predicted_tvd(128, 119, 1e6) < 1e-300
+    assert B.predicted_tvd(32, 5, 3.0) == pytest.approx(5 / (5 + 27 * math.exp(3.0)))
+    assert B.predicted_tvd(32, 5, -1e6) == 1.0
 
 
 def test_theory_draws_every_hand_built_model_on_its_formula(tmp_path, monkeypatch, capsys):
@@ -782,7 +756,7 @@ def test_tables_refuses_a_root_or_out_it_cannot_use_before_writing(tmp_path, cap
     # grid record, an ablation whose partner ran without --lrs, --out holding a file named mlp_norm.
     root, out = tmp_path / "r", tmp_path / "out"
     (tmp_path / "empty").mkdir()
-    for argv, said in [(["nope"], "no depthN/compare.json"), ([str(tmp_path / "empty")], "no depthN"),
+    for argv, said in [(["nope"], "no depthN/compare.json"), ([str(tmp_path / "empty")], "no"),
                        ([os.path.join(HERE, "README.md")], "no depthN"), ([HERE], "no depthN")]:
         expect_exit_2(["--tables", *argv, "--out", str(out)], said, capsys)
     (root / "depth1").mkdir(parents=True)
@@ -797,6 +771,48 @@ def test_tables_refuses_a_root_or_out_it_cannot_use_before_writing(tmp_path, cap
     (out / "mlp_norm").write_text("my notes", encoding="utf-8")
     expect_exit_2(["--tables", str(root), "--out", str(out)], "mlp_norm there is a file", capsys)
     assert os.listdir(out) == ["mlp_norm"]
+
+
+# ---- the command line ------------------------------------------------------------------------
+# Bad input of every lab flag: one line, exit 2, before training; flags reach the grids.
+LAB_BAD_INPUT = [   # argv, and after " | " the flag its one line names where that is not argv[0]
+    "--vocab 8 | give one mode", "--task dyck --compare", "--compare --suite | --suite",
+    "--theory --resume | --resume", "--compare --vocab 8 --train-len 4 | --train-len",
+    "--save SAVE/m.pt --theory", "--compare --post-norm | --post-norm", "--compare --ema 0.9 | --ema",
+    "--theory --steps 5 | --steps", "--suite --vocab 9 | --vocab", "--suite --train-len 1000 | --train-len",
+    "--suite --train-len 1024 | --train-len", "--compare --steps 0 | --steps",
+    "--compare --seed -1 | --seed", f"--suite --seed {2**32 - 4} | --seed",
+    "--compare --attn-scale cubic | --attn-scale", "--compare --dropout 0.1 | --dropout",
+    "--search 0", "--search 4 --vocab 8 | --vocab", "--search 4 --lrs 0.1,2 | --lrs",
+    "--compare --lrs 0.1,0.1 | --lrs", "--compare --lrs x | --lrs",
+    "--compare --norms pre,middle | --norms", "--compare --regimes sampled/linear | --regimes",
+    "--theory --vocab 1024 --train-len 900 | --vocab", "--compare --no-mlp-norm | --no-mlp-norm",
+    "--search 4 --mlp --no-mlp-norm | --no-mlp-norm", "--search 4 --mlp --lrs 0.01,0.1 | --lrs",
+    "--tables", "--compare --ste 5 | --ste", "--compare --norm post | --norm", "--compare --out '' | --out",
+    # the memory estimate of the suite: Dyck's evaluation's attention
+    "--suite --train-len 256 --n-layer 16 --n-head 64 --n-embd 64 --batch-size 1 | --batch-size",
+    f"--compare --device {'mps' if torch.cuda.is_available() else 'cuda'} | --device"]
+
+
+@pytest.mark.parametrize("case", LAB_BAD_INPUT)
+def test_bad_input_of_the_lab_exits_2_with_one_line_before_training(case, capsys, tmp_path):
+    T.test_bad_input_exits_2_with_one_line_before_training(case, capsys, tmp_path, B.main)
+
+
+def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(B, "suite", lambda cfg, out, command, runs_file, **kw: seen.update(kw))
+    B.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
+    assert seen == {"steps": 5, "lr": 0.01}
+    assert {(c.steps, c.lr, c.vocab) for c in B.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
+    monkeypatch.setattr(B, "compare", lambda base, out, command, *a: seen.update(cmd=command))
+    B.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
+            "--out", str(tmp_path)])
+    assert seen["cmd"] == "python plots/lab.py --compare --bos --n-head 2 --attn-scale logn --mlp"
+
+
+def test_the_lab_sets_the_thread_policy_as_the_reference_does(monkeypatch):
+    T.test_the_thread_policy_is_set_by_the_script_not_by_an_import(monkeypatch, "plots/lab.py")
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
@@ -815,20 +831,8 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
     assert stopped.value.code == 1 and capsys.readouterr().err == ""
 
 
-def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
-    seen = {}
-    monkeypatch.setattr(B, "suite", lambda cfg, out, command, runs_file, **kw: seen.update(kw))
-    B.main(["--suite", "--steps", "5", "--lr", "0.01", "--out", str(tmp_path)])
-    assert seen == {"steps": 5, "lr": 0.01}
-    assert {(c.steps, c.lr, c.vocab) for c in B.suite_grid(R.Config(), **seen)} == {(5, 0.01, 5)}
-    monkeypatch.setattr(B, "compare", lambda base, out, command, *a: seen.update(cmd=command))
-    B.main(["--compare", "--bos", "--n-head", "2", "--attn-scale", "logn", "--mlp",
-            "--out", str(tmp_path)])
-    assert seen["cmd"] == "python plots/lab.py --compare --bos --n-head 2 --attn-scale logn --mlp"
-
-# ---- the README and theory.md quote the committed files -------------------------------------
-
-
+# ---- the documents quote the committed files -------------------------------------------------
+# Each committed table is what its command writes; each quoted number is its JSON's; commands run.
 @pytest.mark.parametrize("table", ["compare.md", "long/compare.md", "alternatives.md", "search.md",
                                    "suite.md", "tuned/compare.md", "search_tuned/search.md", "search_mlp/search.md"] + [
     os.path.relpath(p, os.path.join(HERE, "plots")) for d in ("depth*", "mlp_norm") for p in sorted(
