@@ -1049,7 +1049,8 @@ def test_the_readme_findings_match_their_json():
     assert two_l["post"] < two_l["pre"] / 5 and max(post) < min(pre)   # under a fifth, in all 3 seeds
     assert two_l["pre-final"] < 1.15 * two_l["post"] and len(pre) == len(post) == 3   # about as low
     assert_quoted([f"`post`'s error is under a fifth of `pre`'s ({two_l['post']:.3f} against "
-                   f"{two_l['pre']:.3f}, in all 3 seeds), `pre-final`'s about as low"], "README.md")
+                   f"{two_l['pre']:.3f}; strong evidence, all 3 seeds apart), `pre-final`'s about as "
+                   "low"], "README.md")
     # P1's runs committed before P1: every run with sampled targets and a constant rate, and post's
     runs = load("plots/compare.json")["runs"]
     before = [r for r in runs if (r["config"]["targets"], r["config"]["lr_schedule"]) == ("sampled",
