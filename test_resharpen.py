@@ -144,7 +144,8 @@ def expect_exit_2(argv, flag, capsys, main=R.main):
 
 
 # ---- Part 1: the task (theory.md, section 1) -------------------------------------------------
-# A random ordering samples the target at every length: each next token is uniform over the unseen.
+# A random ordering samples the target at every length: each next token is uniform over the unseen;
+# Lemma 0, the linear algebra Theorem 1 uses.
 def test_batches_are_prefixes_of_permutations_and_next_token_is_unseen():
     cfg = tiny(batch_size=200)
     seq = R.SetComplement(cfg).sample(200, cfg.train_len + 1, torch.Generator().manual_seed(0))
@@ -191,7 +192,8 @@ def test_lemma_0_two_or_three_basis_vectors_equal_to_a_constant(v):
 
 
 # ---- Part 1: the model -----------------------------------------------------------------------
-# No positions: one layer's last position sees its prefix as a set; each --norm is its formula.
+# Causal, and no positions: one layer's last position sees its prefix as a set; each --norm is its
+# formula; BOS, the MLP norm and dropout act where the docstrings say.
 def attention_by_hand(x, attn):
     """One position at a time, one head at a time, with an explicit softmax."""
     (T, C), hs = x.shape, x.shape[1] // attn.n_head
@@ -434,7 +436,8 @@ def test_cosine_schedule_starts_at_lr_and_ends_at_zero():
 
 
 # ---- Part 1: evaluation (theory.md, section 2.4) ---------------------------------------------
-# Each metric against an oracle or a closed form: balanced logits give TVD = invalid mass = pi.
+# Each metric against an oracle or a closed form: balanced logits give TVD = invalid mass = pi;
+# the attention entropy is a mean over heads and layers; chunks do not change the numbers.
 class MultiHeadOracle(torch.nn.Module):
     """Outputs log p* (seen tokens at -1e9); patterns[l][h] is layer l, head h's attention:
     'uniform' (1/s on each of the s positions seen) or 'self' (all on the last one)."""
@@ -781,26 +784,6 @@ def test_length_2_splits_determine_the_attention_at_every_length():
         assert torch.allclose(att[:, s - 1, :s], torch.full((5, s), 1 / s, dtype=DT), atol=1e-12)
 
 
-def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_not_3():
-    # theory.md, Appendix A (why the even split is needed): v = 6, Delta = b = 1, m_2 = 1: bounded
-    # weights, margins exactly 2 and 1; at length 3, -2/(e+2) (last token), -(e+1)/(e+2) (others).
-    v, e = 6, math.e
-    model, mu, nu = uneven_split_model(v, b=1.0)
-    assert abs(mu) < 3 and abs(nu) < 3
-    assert nu == pytest.approx(e - 1) and mu == pytest.approx(-(e + 1) / (e - 1))
-    pairs = torch.tensor(list(itertools.permutations(range(v), 2)))
-    for idx, want in [(torch.arange(v)[:, None], 2.0), (pairs, 1.0)]:
-        logits, atts = model(idx, return_attn=True)
-        for row, tokens in zip(logits[:, -1], idx.tolist()):
-            assert balanced_margin(row, tokens, tol=1e-12) == pytest.approx(want, abs=1e-12)
-    assert torch.allclose(atts[0][:, 0, 1, 0], torch.full((len(pairs),), 1 / (1 + e), dtype=DT))
-    triples = torch.tensor([[0, 1, 2], [4, 2, 5], [3, 5, 0]])
-    for row, (x, z, y) in zip(model(triples)[:, -1], triples.tolist()):
-        unseen = row[[t for t in range(v) if t not in (x, y, z)]].mean()
-        assert [(row[t] - unseen).item() for t in (y, x, z)] == pytest.approx(
-            [-2 / (e + 2), -(e + 1) / (e + 2), -(e + 1) / (e + 2)], abs=1e-12)
-
-
 def test_pre_norm_margin_decays_like_two_over_s():
     # theory.md, Corollary 2 and section 3: margin(s) = (2 / s) margin(2) under uniform attention.
     m2, model = margin_c(20, "pre", 2), R.evaluate(R.hand_built(20, "pre"), n_perm=10)
@@ -846,6 +829,26 @@ def test_value_dimension_below_v_minus_1_cannot_fit_lengths_1_and_2():
     v = 5
     assert fit_lengths_1_2(v, 2 * v - 2, v - 1, steps=400) < 1e-4
     assert min(fit_lengths_1_2(v, 2 * v, v - 2, steps=400, seed=k) for k in range(2)) > 0.1
+
+
+def test_uneven_split_model_of_width_v_minus_1_is_balanced_at_lengths_1_and_2_not_3():
+    # theory.md, Appendix A (why the even split is needed): v = 6, Delta = b = 1, m_2 = 1: bounded
+    # weights, margins exactly 2 and 1; at length 3, -2/(e+2) (last token), -(e+1)/(e+2) (others).
+    v, e = 6, math.e
+    model, mu, nu = uneven_split_model(v, b=1.0)
+    assert abs(mu) < 3 and abs(nu) < 3
+    assert nu == pytest.approx(e - 1) and mu == pytest.approx(-(e + 1) / (e - 1))
+    pairs = torch.tensor(list(itertools.permutations(range(v), 2)))
+    for idx, want in [(torch.arange(v)[:, None], 2.0), (pairs, 1.0)]:
+        logits, atts = model(idx, return_attn=True)
+        for row, tokens in zip(logits[:, -1], idx.tolist()):
+            assert balanced_margin(row, tokens, tol=1e-12) == pytest.approx(want, abs=1e-12)
+    assert torch.allclose(atts[0][:, 0, 1, 0], torch.full((len(pairs),), 1 / (1 + e), dtype=DT))
+    triples = torch.tensor([[0, 1, 2], [4, 2, 5], [3, 5, 0]])
+    for row, (x, z, y) in zip(model(triples)[:, -1], triples.tolist()):
+        unseen = row[[t for t in range(v) if t not in (x, y, z)]].mean()
+        assert [(row[t] - unseen).item() for t in (y, x, z)] == pytest.approx(
+            [-2 / (e + 2), -(e + 1) / (e + 2), -(e + 1) / (e + 2)], abs=1e-12)
 
 
 @pytest.mark.parametrize("n_head", [2, 4])
@@ -977,51 +980,6 @@ def post_norm_with_values(v, values, norm_cls):
     return model
 
 
-@pytest.mark.parametrize("vocab", [5, 12, 32])
-@pytest.mark.parametrize("norm", list(R.NORMS))
-def test_hand_built_models_match_the_formulas(vocab, norm):
-    gamma = 1.7
-    model, task = R.hand_built(vocab, norm, gamma), R.SetComplement(R.Config(vocab=vocab))
-    perm = task.sample(8, vocab - 1, torch.Generator().manual_seed(3))
-    logits, seen = model(perm), task.target(perm) == 0
-    for s in range(1, vocab):
-        row, mask = logits[:, s - 1], seen[:, s - 1]
-        lo, hi = row[mask].view(8, s), row[~mask].view(8, vocab - s)
-        # Balanced: every seen logit equal, every unseen logit equal (theory.md, section 3).
-        assert (lo - lo[:, :1]).abs().max() < 1e-9 and (hi - hi[:, :1]).abs().max() < 1e-9
-        margin = (hi[:, 0] - lo[:, 0]).mean().item()
-        assert margin == pytest.approx(margin_c(vocab, norm, s, gamma), abs=1e-9)
-    m = R.evaluate(model, n_perm=20)
-    for s, tvd, inv, gap in zip(m["length"], m["tvd"], m["invalid_mass"], m["logit_gap"]):
-        want = pi(vocab, s, margin_c(vocab, norm, s, gamma))
-        assert tvd == pytest.approx(want, rel=1e-6, abs=1e-14)
-        assert inv == pytest.approx(tvd, rel=1e-6, abs=1e-14)   # TVD = invalid mass
-
-
-def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
-    v, gamma = 8, 1.3
-    pre, final = (R.hand_built(v, norm, gamma) for norm in ("pre", "pre-final"))
-    model = R.Transformer(replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
-    model.load_state_dict(pre.state_dict(), strict=False)   # ln_2 and the MLP are new
-    block, eye = model.blocks[0], torch.eye(2 * v, dtype=DT)
-    block.mlp[1] = torch.nn.Identity()   # a linear MLP whose two matrices multiply to I
-    block.mlp[0].weight.zero_()[:2 * v] = eye
-    block.mlp[2].weight.zero_()[:, :2 * v] = eye
-    idx = R.SetComplement(pre.cfg).sample(5, v - 1, torch.Generator().manual_seed(1))
-    assert torch.allclose(model(idx), pre(idx) + final(idx), atol=1e-12)
-    m = R.evaluate(model, n_perm=20)
-    assert m["logit_gap"] == pytest.approx([margin_c(v, "pre", s, gamma) +
-                                            margin_c(v, "pre-final", s, gamma)
-                                            for s in m["length"]], rel=1e-9)
-    # and the code's GELU MLP can be the identity: GELU(z) - GELU(-z) = z (theory.md, C.6)
-    mlp = R.Block(R.Config(n_embd=4, mlp=True)).mlp.double()
-    pm = torch.cat([torch.eye(4), -torch.eye(4)])
-    with torch.no_grad():
-        mlp[0].weight.zero_()[:8], mlp[2].weight.zero_()[:, :8] = pm, pm.T
-    z = 3 * torch.randn(5, 4, generator=torch.Generator().manual_seed(2), dtype=DT)
-    assert torch.allclose(mlp(z), z, atol=1e-12)
-
-
 @pytest.mark.parametrize("v", [15, 16])
 def test_post_norm_margin_is_v_over_sqrt_s_v_minus_s_and_at_least_2(v):
     # theory.md, Theorem 3 and (i), hand_built(v, 'post', gamma) at eps = 0, n = 2v: margin and
@@ -1084,6 +1042,17 @@ def test_post_norm_margin_is_about_gamma_sqrt_n_over_s_for_small_s():
         assert m[0] / (gamma * math.sqrt(n)) == pytest.approx(1, abs=0.02)
     # v = 128: m(1) / m(4) = 2 sqrt((1 - 4/128) / (1 - 1/128)) = 1.976, m(2) / m(8) = 1.952
     assert m[0] / m[3] == pytest.approx(2, rel=0.015) and m[1] / m[7] == pytest.approx(2, rel=0.03)
+
+
+def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
+    # theory.md, Theorem 3(v), eps = 0: evaluate()'s TVD of hand_built(v, 'post', gamma) is pi(s)
+    # <= s / (s + (v - s) e^(2 gamma sqrt(n/v))), with equality only at s = v/2.
+    v, gamma, n = 16, 0.6, 32
+    m = R.evaluate(eps_0(R.hand_built(v, "post", gamma)), n_perm=4)
+    for s, tvd in zip(m["length"], m["tvd"]):
+        assert tvd == pytest.approx(pi(v, s, margin_c(v, "post", s, gamma, eps=0.0)), rel=1e-9)
+        bound = pi(v, s, 2 * gamma * math.sqrt(n / v))
+        assert tvd <= bound * (1 + 1e-12) and (abs(tvd - bound) < 1e-12 * bound) == (s == v // 2)
 
 
 def test_layernorm_eps_divides_the_post_norm_margin_by_sqrt_one_plus_eps_over_variance():
@@ -1197,6 +1166,27 @@ def test_layernorm_centres_any_multiple_of_the_all_ones_vector():
         pytest.approx([math.sqrt(n * v / (s * (v - s))) for s in range(1, v)], rel=1e-10))
 
 
+@pytest.mark.parametrize("vocab", [5, 12, 32])
+@pytest.mark.parametrize("norm", list(R.NORMS))
+def test_hand_built_models_match_the_formulas(vocab, norm):
+    gamma = 1.7
+    model, task = R.hand_built(vocab, norm, gamma), R.SetComplement(R.Config(vocab=vocab))
+    perm = task.sample(8, vocab - 1, torch.Generator().manual_seed(3))
+    logits, seen = model(perm), task.target(perm) == 0
+    for s in range(1, vocab):
+        row, mask = logits[:, s - 1], seen[:, s - 1]
+        lo, hi = row[mask].view(8, s), row[~mask].view(8, vocab - s)
+        # Balanced: every seen logit equal, every unseen logit equal (theory.md, section 3).
+        assert (lo - lo[:, :1]).abs().max() < 1e-9 and (hi - hi[:, :1]).abs().max() < 1e-9
+        margin = (hi[:, 0] - lo[:, 0]).mean().item()
+        assert margin == pytest.approx(margin_c(vocab, norm, s, gamma), abs=1e-9)
+    m = R.evaluate(model, n_perm=20)
+    for s, tvd, inv, gap in zip(m["length"], m["tvd"], m["invalid_mass"], m["logit_gap"]):
+        want = pi(vocab, s, margin_c(vocab, norm, s, gamma))
+        assert tvd == pytest.approx(want, rel=1e-6, abs=1e-14)
+        assert inv == pytest.approx(tvd, rel=1e-6, abs=1e-14)   # TVD = invalid mass
+
+
 @pytest.mark.parametrize("norm", ["pre", "post-residual", "pre-final", "post"])
 def test_the_four_constructions_follow_one_formula_at_eps_0(norm):
     # theory.md, C.4: margin(s) = gamma sqrt(n) / sqrt(A s (1 - s/v) + c s^2), n = 2v: pre A = 0,
@@ -1263,15 +1253,28 @@ def test_pre_final_construction_resharpens_almost_like_post_norm():
     assert got["post"][1] < got["pre-final"][1] < got["post-residual"][1] < got["pre"][1]
 
 
-def test_post_norm_tvd_stays_below_the_bound_from_the_floor():
-    # theory.md, Theorem 3(v), eps = 0: evaluate()'s TVD of hand_built(v, 'post', gamma) is pi(s)
-    # <= s / (s + (v - s) e^(2 gamma sqrt(n/v))), with equality only at s = v/2.
-    v, gamma, n = 16, 0.6, 32
-    m = R.evaluate(eps_0(R.hand_built(v, "post", gamma)), n_perm=4)
-    for s, tvd in zip(m["length"], m["tvd"]):
-        assert tvd == pytest.approx(pi(v, s, margin_c(v, "post", s, gamma, eps=0.0)), rel=1e-9)
-        bound = pi(v, s, 2 * gamma * math.sqrt(n / v))
-        assert tvd <= bound * (1 + 1e-12) and (abs(tvd - bound) < 1e-12 * bound) == (s == v // 2)
+def test_pre_with_an_identity_mlp_adds_pre_finals_logits_to_pres():
+    v, gamma = 8, 1.3
+    pre, final = (R.hand_built(v, norm, gamma) for norm in ("pre", "pre-final"))
+    model = R.Transformer(replace(pre.cfg, mlp=True)).double().requires_grad_(False).eval()
+    model.load_state_dict(pre.state_dict(), strict=False)   # ln_2 and the MLP are new
+    block, eye = model.blocks[0], torch.eye(2 * v, dtype=DT)
+    block.mlp[1] = torch.nn.Identity()   # a linear MLP whose two matrices multiply to I
+    block.mlp[0].weight.zero_()[:2 * v] = eye
+    block.mlp[2].weight.zero_()[:, :2 * v] = eye
+    idx = R.SetComplement(pre.cfg).sample(5, v - 1, torch.Generator().manual_seed(1))
+    assert torch.allclose(model(idx), pre(idx) + final(idx), atol=1e-12)
+    m = R.evaluate(model, n_perm=20)
+    assert m["logit_gap"] == pytest.approx([margin_c(v, "pre", s, gamma) +
+                                            margin_c(v, "pre-final", s, gamma)
+                                            for s in m["length"]], rel=1e-9)
+    # and the code's GELU MLP can be the identity: GELU(z) - GELU(-z) = z (theory.md, C.6)
+    mlp = R.Block(R.Config(n_embd=4, mlp=True)).mlp.double()
+    pm = torch.cat([torch.eye(4), -torch.eye(4)])
+    with torch.no_grad():
+        mlp[0].weight.zero_()[:8], mlp[2].weight.zero_()[:, :8] = pm, pm.T
+    z = 3 * torch.randn(5, 4, generator=torch.Generator().manual_seed(2), dtype=DT)
+    assert torch.allclose(mlp(z), z, atol=1e-12)
 
 
 # ---- Part 2: files and checkpoints -----------------------------------------------------------
@@ -1322,7 +1325,8 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
 
 
 # ---- Part 2: the command line ----------------------------------------------------------------
-# The main command writes what the README shows; bad input, a NaN, Ctrl-C: one line, no training.
+# The main command writes what the README shows; bad input, a NaN, Ctrl-C: one line, no training;
+# the thread policy; the reference's size; every README exercise command still runs.
 def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path, capsys):
     out = tmp_path / "new"   # --out X --save X/ck.pt with X new
     R.main(["--vocab", "8", "--train-len", "3", "--steps", "10", "--batch-size", "8",
@@ -1674,12 +1678,12 @@ def test_write_post():
 def test_write_metrics():
     with time_limit(GRADE_SECONDS):
         grade_metrics(student_module())
+# end of the graders
 
 
 def student_file(tmp_path, monkeypatch, source):
     (tmp_path / "mine.py").write_text(source, encoding="utf-8")
     monkeypatch.setenv("RESHARPEN", str(tmp_path / "mine.py"))
-# end of the graders
 
 
 GAP = ("gap = ((logits * ~seen).sum(-1) / (~seen).sum(-1)\n"
