@@ -193,7 +193,7 @@ def grid_workers(runs, device):
     return min(cores or 1, len(runs)) if device == "cpu" else 1
 
 
-def config(record):   # a Config from JSON; records written before Config.bema went hold "bema": false
+def config(record):   # a Config from JSON (records older than Config.bema's removal hold "bema")
     return Config(**{k: v for k, v in record.items() if k != "bema"})
 
 
@@ -208,15 +208,11 @@ class RunsFile:
         """{config: (result, seconds)} of the runs there (check_runs_file has read each line)."""
         if not os.path.exists(self.path):
             return {}
-        runs = {}
-        for line in Path(self.path).read_text(encoding="utf-8").splitlines():
-            try:
-                runs[line] = json.loads(line)
-            except ValueError:   # cut short by a kill: dropped
-                pass
-        write_file(self.path, lambda f: Path(f).write_text("".join(f"{x}\n" for x in runs), "utf-8"))
-        return {config(r.pop("config")): (r, r.pop("seconds"), r.pop("device"))[:2]
-                for r in runs.values()}
+        text = Path(self.path).read_bytes().decode("utf-8")   # as check_runs_file read it
+        text = text[:text.rfind("\n") + 1]   # less a last line cut short by a kill
+        write_file(self.path, lambda f: Path(f).write_text(text, "utf-8"))
+        runs = [json.loads(line) for line in text.split("\n")[:-1]]
+        return {config(r.pop("config")): (r, r.pop("seconds"), r.pop("device"))[:2] for r in runs}
 
     def append(self, cfg, device, seconds, result):
         with open(self.path, "a", encoding="utf-8") as f:
@@ -265,7 +261,7 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0, runs_file=None):
 
 def finish(out, name, text, command, details, figures, grid, runs_file=None, **record):
     """Print the table with the grid's size and time; write name.md, the figures, name.json; then
-    remove the runs file, whose runs are all in name.json. grid: run_grid's (done, wall, workers)."""
+    remove the runs file, whose runs are all in name.json. grid: what run_grid returned."""
     (done, wall, workers), resumed = grid, runs_file.resumed if runs_file else 0
     wall = round(wall, 1)   # the table's seconds are the JSON's
     text += f"{len(done)} training runs, {wall:.0f} s wall in {workers} worker process(es)" + (
@@ -504,7 +500,7 @@ def layer_entropy_table(rows, cfg, norms, regimes):
 
 
 def plot_compare_norms(rows, cfg):
-    """compare_norms.png, the README's first figure (sampled targets, constant rate, EMA weights)."""
+    """compare_norms.png, the README's first figure: sampled targets, constant rate, EMA weights."""
     L, v = cfg.train_len, cfg.vocab
     runs = {n: rows[(n, "sampled", "constant", "ema")]   # the remedy drawn last, on top
             for n in ("pre", "post-residual", "pre-final", "post")}
@@ -513,9 +509,11 @@ def plot_compare_norms(rows, cfg):
     return plot_panels([
         ("the logit gap: Pre-Norm's falls like 1/s", "unseen minus seen logit (log)",
          dict(yscale="log"), curves(lambda m: m["logit_gap"])),
-        ("the error: TVD to the exact target", "TVD", dict(ylim=(0, 1)), curves(lambda m: m["tvd"])),
-        ("attention: uniform but for post-residual", "attention entropy - log s (nats)", dict(ylim=(-0.3, 0.05)),
-         curves(lambda m: [h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]))],
+        ("the error: TVD to the exact target", "TVD", dict(ylim=(0, 1)),
+         curves(lambda m: m["tvd"])),
+        ("attention: uniform but for post-residual", "attention entropy - log s (nats)",
+         dict(ylim=(-0.3, 0.05)), curves(lambda m: [
+             h - u for h, u in zip(m["attn_entropy"], m["log_positions"])]))],
         L, v - 1, ncol=6,
         overlay=lambda axes: draw_laws(axes[0], range(1, v), gaps, L, v, lw=1.2, zorder=6))
 
@@ -572,23 +570,10 @@ ALTERNATIVES = {   # name: changes to the comparison's Pre-Norm setting
     "post": dict(norm="post"), "post + BOS": dict(norm="post", bos=True)}
 
 
-def alternatives_grid(base):
-    """Each remedy on the comparison's setting (sampled targets, constant rate), 3 seeds."""
+def alternatives_grid(base):   # each remedy on the comparison's Pre-Norm setting, 3 seeds
     sampled = dict(norm="pre", targets="sampled", lr_schedule="constant", ema=0.0)
     return [replace(base, **{**sampled, **changes}, seed=base.seed + i)
             for changes in ALTERNATIVES.values() for i in range(COMPARE_SEEDS)]
-
-
-def alternatives_table(named, train_len, v):
-    """named: {name: [result of each seed]} -> markdown, raw and EMA weights."""
-    rows = []
-    for name, results in named.items():
-        for avg, ms in ((a, [r[a] for r in results]) for a in ("raw", "ema")):
-            gap_s = [mean([m["logit_gap"][s - 1] for m in ms]) * s for s in range(1, v)]
-            rows.append([name, AVERAGE_LABELS[avg], *tvd_cells(ms, train_len),
-                         f"{min(gap_s):.2f} - {max(gap_s):.2f}"])
-    return md_table(["remedy", "weight average", "TVD, training lengths", "TVD, extrapolation",
-                     f"TVD at s = {v - 1}", "gap x s, min - max over s (mean of seeds)"], rows)
 
 
 def plot_alternatives(named, cfg):
@@ -610,21 +595,29 @@ def plot_alternatives(named, cfg):
 
 def alternatives(base, out, command, runs_file=None):
     """The remedies side by side, 3 seeds each. Writes alternatives.md, .json and .png."""
-    grid = run_grid(alternatives_grid(base), pick_device(base.device), ("ema",), runs_file=runs_file)
-    done = grid[0]
-    k = COMPARE_SEEDS   # run_grid returns the runs in grid order: k seeds per remedy
-    named = {name: [r for _, r, _ in done[i * k:i * k + k]] for i, name in enumerate(ALTERNATIVES)}
-    text = "\n".join(alternatives_table(named, base.train_len, base.vocab)) + (
-        f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. ")
-    details = (f"v={base.vocab}, train lengths 1..{base.train_len}, {base.steps} steps, batch "
-               f"{base.batch_size}, lr {base.lr}, sampled targets, constant learning rate")
+    grid = run_grid(alternatives_grid(base), pick_device(base.device), ("ema",),
+                    runs_file=runs_file)
+    results, k = [r for _, r, _ in grid[0]], COMPARE_SEEDS   # in grid order: k seeds per remedy
+    named = {name: results[i * k:i * k + k] for i, name in enumerate(ALTERNATIVES)}
+    L, v, rows = base.train_len, base.vocab, []   # rows: each remedy, raw and EMA weights
+    for name, avg in [(name, avg) for name in named for avg in ("raw", "ema")]:
+        ms = [r[avg] for r in named[name]]
+        gap_s = [mean([m["logit_gap"][s - 1] for m in ms]) * s for s in range(1, v)]
+        rows.append([name, AVERAGE_LABELS[avg], *tvd_cells(ms, L),
+                     f"{min(gap_s):.2f} - {max(gap_s):.2f}"])
+    text = "\n".join(md_table(["remedy", "weight average", "TVD, training lengths",
+                               "TVD, extrapolation", f"TVD at s = {v - 1}",
+                               "gap x s, min - max over s (mean of seeds)"], rows))
+    text += f"\n\nMean +- standard deviation over {COMPARE_SEEDS} seeds. "
+    details = (f"v={v}, train lengths 1..{L}, {base.steps} steps, batch {base.batch_size}, "
+               f"lr {base.lr}, sampled targets, constant learning rate")
     finish(out, "alternatives", text, command, details, {"alternatives.png": plot_alternatives(
         named, base)}, grid, runs_file, config=asdict(base))
 
 
 # ------------------------------------------------------------------------------------------ search
 # python plots/lab.py --search N: is the effect a property of the method or of the defaults?
-SEARCH_N = 40            # the pre-registered size of the committed search (plots/README.md, section 3)
+SEARCH_N = 40            # the pre-registered size of the committed search (plots/README.md, 3)
 SEARCH_DEFAULT = 4       # a reader's quick version: 12 runs, a few minutes on 2 cores
 SEARCH_ARMS = ("pre", "pre-final", "post")   # trained from the same seed: paired
 NO_LN2 = "pre, no MLP norm"                  # with --mlp, a fourth arm: pre without ln_2
@@ -634,7 +627,7 @@ SEARCH_THRESHOLDS = (0.05, 0.1, 0.2)         # training-length TVD, for the subg
 def search_configs(n, seed, lrs=None, mlp=False):
     """n random configurations in the pre-registered ranges, once per arm from the same seed; with
     lrs, pre-final and post at every rate, in post's best corner (large batches, long runs); with
-    mlp, 1-3 blocks with MLPs (layers drawn apart: the other draws stay those without) and NO_LN2."""
+    mlp, 1-3 blocks with MLPs (layers drawn apart: the other draws stay as without) and NO_LN2."""
     g, layers, configs = random.Random(seed), random.Random(-1 - seed), []
     for i in range(n):
         v, heads = g.randint(16, 64), g.randint(1, 4)
@@ -690,18 +683,18 @@ def search_summary(configs, results):
 
 def search_losses(configs, results):
     """The reference's win rate (primary endpoint) at or below and above each setting's median."""
-    logs, ref = [x for x, _ in search_pairs(configs, results, "pre-final", "ema")], reference(configs)
+    ref, pairs = reference(configs), search_pairs(configs, results, "pre-final", "ema")
+    runs = [search_arms(group, results)[ref][0] for group in configs]   # the reference's
     settings = {"v": lambda c: c.vocab, "L / v": lambda c: c.train_len / c.vocab,
                 **({"layers": lambda c: c.n_layer} if configs[0][0].mlp else {}),
                 "heads": lambda c: c.n_head, "lr": lambda c: c.lr,
                 "batch": lambda c: c.batch_size, "steps": lambda c: c.steps}
-    rate = lambda w: f"{sum(w)} of {len(w)}" if w else "-"  # noqa: E731
     rows = []
     for name, get in settings.items():
-        xs = [get(search_arms(runs, results)[ref][0]) for runs in configs]
-        cut = statistics.median(xs)
-        rows.append([name, f"{cut:.3g}"] + [rate([x > 0 for x, c in zip(logs, xs) if (c <= cut)
-                                                  == below]) for below in (True, False)])
+        cut = statistics.median(get(c) for c in runs)
+        wins = [[x > 0 for (x, _), c in zip(pairs, runs) if (get(c) <= cut) == below]
+                for below in (True, False)]   # at or below the median, then above
+        rows.append([name, f"{cut:.3g}"] + [f"{sum(w)} of {len(w)}" if w else "-" for w in wins])
     return md_table(["setting", "median", f"{ref} wins, at or below", "above"], rows)
 
 
@@ -742,18 +735,16 @@ def search_text(configs, results, n, lrs):
                      [[f"`{rival}`", AVERAGE_LABELS[avg], group, fmt(st)]
                       for rival in h for avg in ("ema", "raw")
                       for group, st in h[rival][avg].items() if st["n"]])
-    tvd = lambda c, s: results[c]["ema"]["tvd"][s - 1]  # noqa: E731
-    train = lambda c: summarize(results[c]["ema"], c.train_len)["tvd_train"]  # noqa
     arms, rows, lowest = list(search_arms(configs[0], results)), [], []
     for i, runs in enumerate(configs):
-        best = search_arms(runs, results)
-        c, L = best[ref][0], runs[0].train_len
-        cells = [f"{train(r):.3f}, {tvd(r, 2 * L):.3f}" + (f" (lr {r.lr:g})" if lrs else "")
-                 for r, _ in best.values()]
-        win = tvd(best["pre-final"][0], 2 * L) > tvd(c, 2 * L)
-        lowest.append(min(arms, key=lambda a: tvd(best[a][0], 2 * L)))   # reported with MLPs
+        best, L = search_arms(runs, results), runs[0].train_len
+        c, at = best[ref][0], {a: r["ema"]["tvd"][2 * L - 1] for a, (_, r) in best.items()}
+        cells = [f"{summarize(r['ema'], L)['tvd_train']:.3f}, {at[a]:.3f}" +
+                 (f" (lr {run.lr:g})" if lrs else "") for a, (run, r) in best.items()]
+        lowest.append(min(arms, key=at.get))   # reported with MLPs
+        win = "yes" if at["pre-final"] > at[ref] else "no"
         rows.append([i, c.vocab, L, *[c.n_layer] * mlp, c.n_head, c.n_embd, "tuned" if lrs
-                     else f"{c.lr:.2g}", c.batch_size, c.steps, *cells, "yes" if win else "no"])
+                     else f"{c.lr:.2g}", c.batch_size, c.steps, *cells, win])
     configurations = md_table(["#", "v", "L", *["layers"] * mlp, "heads", "width", "lr", "batch",
                                "steps"] + [f"{a}: train, 2 L" for a in arms] +
                               [f"{ref} beats pre-final"], rows)
@@ -793,38 +784,33 @@ SUITE_MODEL = dict(train_len=16, n_layer=2, n_head=1, n_embd=32, mlp=True, bos=T
 SUITE_NORMS, SUITE_SEEDS = ("pre", "pre-final", "post"), 5
 
 
-def suite_grid(base, **overrides):
-    """Every language x SUITE_NORMS x SUITE_SEEDS seeds, with SUITE_MODEL's settings."""
+def suite_grid(base, **overrides):   # every language x SUITE_NORMS x SUITE_SEEDS seeds
     settings = {**SUITE_MODEL, **overrides, "ema": 0.0}
     return [make_task(replace(base, **settings, **lang, norm=norm, seed=base.seed + i)).cfg
             for lang in SUITE_LANGUAGES for norm in SUITE_NORMS for i in range(SUITE_SEEDS)]
 
 
-def suite_pairs(groups, L):
-    """Per language, rival - post in mean extrapolation TVD (EMA weights), paired by seed."""
-    ext = {k: [summarize(r["ema"], L)["tvd_extrap"] for r in rs] for k, rs in groups.items()}
-    rows = []
-    for (name, rival), xs in ext.items():
-        if rival != "post":
-            d = [x - y for x, y in zip(xs, ext[name, "post"])]
-            m, lo, hi = mean_interval(d)
-            rows.append([name, f"`{rival}` - `post`", ", ".join(f"{x:+.3f}" for x in d),
-                         f"{m:+.4f} ({lo:+.4f} to {hi:+.4f})", "no" if lo <= 0 <= hi else "yes"])
-    return md_table(["language", "difference (EMA weights, extrapolation TVD)", "per seed",
-                     "mean (95 % t interval)", "distinguishable from seed noise"], rows)
-
-
 def suite_table(groups, L):
+    """suite.md's body: each language and placement; each rival minus post, paired by seed."""
     rows = [[name, f"`{norm}`", AVERAGE_LABELS[avg], *tvd_cells(ms, L),
              mean_sd([mean(m["invalid_mass"][L:]) for m in ms])]
             for (name, norm), results in groups.items() for avg in ("raw", "ema")
             for ms in [[r[avg] for r in results]]]
-    out = md_table(["language", "norm", "weight average", "TVD, training lengths",
-                    "TVD, extrapolation", "TVD at the longest length",
-                    "invalid mass, extrapolation"], rows)
-    out += ["", f"Mean +- standard deviation over {SUITE_SEEDS} seeds.", "",
-            "### Paired by seed: each placement minus `post` (positive: `post` is lower)", ""]
-    return "\n".join(out + suite_pairs(groups, L) + ["", ""])
+    ext = {k: [summarize(r["ema"], L)["tvd_extrap"] for r in rs] for k, rs in groups.items()}
+    pairs = []
+    for (name, rival), xs in ext.items():
+        if rival != "post":
+            d = [x - y for x, y in zip(xs, ext[name, "post"])]
+            m, lo, hi = mean_interval(d)
+            pairs.append([name, f"`{rival}` - `post`", ", ".join(f"{x:+.3f}" for x in d),
+                          f"{m:+.4f} ({lo:+.4f} to {hi:+.4f})", "no" if lo <= 0 <= hi else "yes"])
+    return "\n".join(md_table(["language", "norm", "weight average", "TVD, training lengths",
+                               "TVD, extrapolation", "TVD at the longest length",
+                               "invalid mass, extrapolation"], rows) + [
+        "", f"Mean +- standard deviation over {SUITE_SEEDS} seeds.", "",
+        "### Paired by seed: each placement minus `post` (positive: `post` is lower)", ""] +
+        md_table(["language", "difference (EMA weights, extrapolation TVD)", "per seed",
+                  "mean (95 % t interval)", "distinguishable from seed noise"], pairs) + ["", ""])
 
 
 def plot_suite(groups, L):
@@ -876,15 +862,14 @@ def theory(vocab, train_len, out):
     for norm in NORMS:
         gamma = 6.0 / predicted_margin(vocab, norm, train_len)
         m = evaluate(hand_built(vocab, norm, gamma), n_perm=200)
-        pred_m = [predicted_margin(vocab, norm, s, gamma) for s in m["length"]]
-        pred_tvd = [predicted_tvd(vocab, s, pm) for s, pm in zip(m["length"], pred_m)]
+        s, c = m["length"], COLORS[norm]
+        pred_m = [predicted_margin(vocab, norm, x, gamma) for x in s]
         print(f"{norm:14s} margin {pred_m[0]:.3f} at s = 1, {pred_m[-1]:.3f} at s = {vocab - 1}; "
               f"largest relative difference from the model "
               f"{max(abs(g / p - 1) for g, p in zip(m['logit_gap'], pred_m)):.1e}")
-        s, c = m["length"], COLORS[norm]
         ax1.plot(s, pred_m, color=c, label=f"{norm}: formula")
         ax1.plot(s, m["logit_gap"], "o", color=c, ms=3, label=f"{norm}: model")
-        ax2.semilogy(s, pred_tvd, color=c)
+        ax2.semilogy(s, [predicted_tvd(vocab, x, pm) for x, pm in zip(s, pred_m)], color=c)
         ax2.semilogy(s, [max(t, 1e-12) for t in m["tvd"]], "o", color=c, ms=3)
     for ax in (ax1, ax2):
         shade_training(ax, train_len, vocab - 1, label=None)
@@ -904,8 +889,7 @@ def depth_records(root):   # root/depthN/**/compare.json, not a copy such as dep
 
 
 def check_tables(root, out, bad):
-    """--tables ROOT: --compare records in ROOT/depthN and, if any, in ROOT/mlp_norm/layersN beside
-    their ROOT/depthN partners, both with --lrs; no file named mlp_norm in --out."""
+    """--tables ROOT: the --compare records depth_sweep and mlp_norm_table read; --out's folder."""
     if not os.path.isdir(root) or not (depths := depth_records(root)):
         bad(f"--tables {root}: no depthN/compare.json in it (ROOT holds the depth grids' --out "
             "folders depth1, depth2, ..., as plots/ does)")
@@ -1026,7 +1010,8 @@ def mlp_norm_table(root, out=None):
                                                     "TVD") + " (EMA, mean of seeds)")
     for ax in axes:
         shade_training(ax, ms[0][1], len(s))
-    axes[0].legend(fontsize=7), fig.suptitle("pre with an MLP, with and without its MLP norm")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("pre with an MLP, with and without its MLP norm")
     write_outputs(out or os.path.join(root, "mlp_norm"), {"mlp_norm.md": text, "mlp_norm.png": fig})
 
 
@@ -1048,16 +1033,19 @@ MODEL_FLAGS = {"vocab", "train_len", "n_layer", "n_head", "n_embd", "mlp", "mlp_
                "attn_scale", "steps", "batch_size", "lr"}
 MODE_FLAGS = {   # the flags each mode takes, besides --seed, --device and --out
     "compare": MODEL_FLAGS | {"lrs", "norms", "regimes", "resume"},
-    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"}, "search": {"lrs", "mlp", "resume"},
-    "suite": set(SUITE_MODEL) | {"resume"}, "theory": {"vocab", "train_len"}, "tables": set()}
+    "alternatives": MODEL_FLAGS - {"bos", "attn_scale"} | {"resume"},
+    "search": {"lrs", "mlp", "resume"}, "suite": set(SUITE_MODEL) | {"resume"},
+    "theory": {"vocab", "train_len"}, "tables": set()}
 GRIDS = ("compare", "alternatives", "search", "suite")   # the modes that train
 LIMITS = {**R.LIMITS, "search": (1, 100), "seed": (0, 2**32 - SUITE_SEEDS)}
-FLAGS = [f for f in R.FLAGS if f[0] not in ("--norm", "--post-norm", "--ema", "--save", "--handout")] + [
+FLAGS = [f for f in R.FLAGS if f[0] not in {"--norm", "--post-norm", "--ema", "--save",
+                                            "--handout"}] + [   # those are resharpen.py's alone
     ("--no-mlp-norm", dict(action="store_const", dest="mlp_norm", const=False), "with --mlp, drop "
      "the block's own MLP norm ln_2: every placement adds x + MLP(x)"),
     ("--attn-scale", list(ATTENTIONS), "logn: scores times s_h log(n) (Scalable-Softmax)"),
     ("--lrs", comma_list(float, lambda x: 0 < x <= 1, "distinct rates in (0, 1] separated by "
-                         "commas (such as 0.001,0.01)"), "--compare, --search: every rate, the best fit kept"),
+                         "commas (such as 0.001,0.01)"),
+     "--compare, --search: every rate, the best fit kept"),
     ("--norms", comma_list(str, NORMS.__contains__, f"each of {', '.join(NORMS)} at most once"),
      "--compare: only these placements"),
     ("--regimes", comma_list(lambda x: tuple(x.split("/")), REGIMES.__contains__, "each of "
@@ -1076,20 +1064,12 @@ FLAGS = [f for f in R.FLAGS if f[0] not in ("--norm", "--post-norm", "--ema", "-
 ]
 
 
-def planned_runs(mode, cfg, args, suite_flags):
-    """Every configuration the command will train (--compare --lrs: every rate, every seed)."""
-    return {"compare": lambda: compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or
-                                            REGIMES, args.lrs or (None,)),
-            "suite": lambda: suite_grid(cfg, **suite_flags),
-            "search": lambda: sum(search_configs(args.search, cfg.seed, args.lrs, cfg.mlp), []),
-            "alternatives": lambda: alternatives_grid(cfg)}.get(mode, list)()
-
-
 def check_args(args, parser):
-    """Refuse bad input before training (exit 2, naming the flag); returns mode, cfg, suite_flags."""
+    """Refuse bad input before training (exit 2, naming the flag): (mode, cfg, suite_flags)."""
     bad, given = parser.error, {k for k, v in vars(args).items() if v is not None}
     if not (mode := next((m for m in MODE_FLAGS if m in given), None)):
-        bad(f"give one mode: {', '.join('--' + m for m in MODE_FLAGS)} (python plots/lab.py --help)")
+        bad(f"give one mode: {', '.join('--' + m for m in MODE_FLAGS)} "
+            "(python plots/lab.py --help)")
     if extra := given - MODE_FLAGS[mode] - {mode, "seed", "device", "out"}:
         names = ("--no-mlp-norm" if x == "mlp_norm" else "--" + x.replace("_", "-") for x in extra)
         bad(f"{', '.join(sorted(names))}: not used by --{mode} (python plots/lab.py --help)")
@@ -1109,14 +1089,19 @@ def check_args(args, parser):
     if mode == "theory" and cfg.vocab > 256:
         bad(f"--vocab: --theory builds float64 models of width 2v, at most 256; got {cfg.vocab}")
     suite_flags = {k: getattr(args, k) for k in given & set(SUITE_MODEL)}
-    runs = planned_runs(mode, cfg, args, suite_flags)
+    runs = {   # every configuration the command will train (--compare --lrs: every rate, seed)
+        "compare": lambda: compare_grid(cfg, args.norms or tuple(NORMS), args.regimes or REGIMES,
+                                        args.lrs or (None,)),
+        "suite": lambda: suite_grid(cfg, **suite_flags),
+        "search": lambda: sum(search_configs(args.search, cfg.seed, args.lrs, cfg.mlp), []),
+        "alternatives": lambda: alternatives_grid(cfg)}.get(mode, list)()
     device = pick_device(cfg.device)
     R.check_model(runs or [cfg], grid_workers(runs, device), bad,
                   4 * runs[0].train_len if mode == "suite" else None)
     R.check_out(args.out, bad)
     if mode in GRIDS:
-        out = os.path.abspath(args.out or "runs")
-        check_runs_file(os.path.join(out, f"{mode}.runs.jsonl"), runs, device, mode, args.resume, bad)
+        path = os.path.join(os.path.abspath(args.out or "runs"), f"{mode}.runs.jsonl")
+        check_runs_file(path, runs, device, mode, args.resume, bad)
     return mode, cfg, suite_flags
 
 
@@ -1152,7 +1137,7 @@ def runs_line_problem(line, keys, planned, device):
     if not isinstance(r, dict) or (missing := sorted(keys - set(r))):
         return f"no key {missing[0]!r}" if isinstance(r, dict) else "not a JSON object"
     kinds = {k: (int, float) if type(v) is float else type(v) for k, v in asdict(Config()).items()}
-    c = {k: v for k, v in r["config"].items() if k != "bema"} if isinstance(r["config"], dict) else 0
+    c = isinstance(r["config"], dict) and {k: v for k, v in r["config"].items() if k != "bema"}
     if not (isinstance(c, dict) and set(c) <= set(kinds) and isinstance(r["seconds"], (int, float))
             and all(isinstance(v, kinds[k]) for k, v in c.items())):
         return "a value of the wrong kind in its config or seconds"

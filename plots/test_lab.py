@@ -799,6 +799,13 @@ def test_bad_input_of_the_lab_exits_2_with_one_line_before_training(case, capsys
     T.test_bad_input_exits_2_with_one_line_before_training(case, capsys, tmp_path, B.main)
 
 
+def test_the_lab_s_help_names_only_flags_the_lab_takes(capsys):
+    with pytest.raises(SystemExit):
+        B.main(["--help"])
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+    assert named - {"--help"} == {f[0] for f in B.FLAGS}   # and every one of them
+
+
 def test_suite_honours_the_model_flags_and_the_tables_name_every_flag_given(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(B, "suite", lambda cfg, out, command, runs_file, **kw: seen.update(kw))
