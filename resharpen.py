@@ -748,9 +748,11 @@ def check_args(args, parser):
     check_model([cfg], 1, bad)
     if cfg.train_len > cfg.vocab - 1:
         bad(f"--train-len must be at most {cfg.vocab - 1} (v - 1), got {cfg.train_len}")
-    if args.save is not None and (not args.save.endswith(".pt") or os.path.lexists(args.save)):
+    save, out = os.path.abspath(args.save or "."), os.path.abspath(args.out or "runs")
+    if args.save is not None and (not args.save.endswith(".pt") or os.path.lexists(args.save) or
+                                  os.path.commonpath([save, out]) == save):   # --out in it
         bad(f"--save {args.save!r}: a new file name ending in .pt for the checkpoint, such as "
-            "runs/model.pt, not an existing file or folder (a run writes no .pt file but this)")
+            "runs/model.pt; not an existing file or folder, nor the --out folder")
     if args.save:
         probe(args.save, f"{args.save}.{os.getpid()}.probe", "--save", bad)
     check_out(args.out, bad)

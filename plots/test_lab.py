@@ -4,6 +4,7 @@ statistics, tables and figures, the lab's command line, and the checks that READ
 plots/README.md quote the committed JSON. CPU only, seconds; python -m pytest -q from the
 repository root runs it with test_resharpen.py, whose helpers it imports."""
 
+import functools
 import glob
 import itertools
 import json
@@ -18,7 +19,6 @@ import statistics
 import sys
 from collections import Counter
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,23 +32,13 @@ from test_resharpen import (DT, HERE, SMALL, balance_equations, balanced_margin,
                             randomize, read, relative_to_unseen, skip_rendering, text_model, tiny)
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def quick_evaluation(monkeypatch):
-    """Grids evaluate on 20 fixed inputs instead of 1000."""
-    monkeypatch.setattr(R, "EVAL_PERMS", 20)
-
-
-def expect_exit_2(argv, flag, capsys):   # the lab's command line
-    T.expect_exit_2(argv, flag, capsys, B.main)
+quick_evaluation = T.quick_evaluation   # the autouse fixture: grids evaluate on 20 inputs here too
+expect_exit_2 = functools.partial(T.expect_exit_2, main=B.main)   # the lab's command line
 
 
 # ---- BEMA (theory.md, section 5) -------------------------------------------------------------
 # BEMA is its closed form; without its correction it is the EMA with BEMA's schedule.
 def test_bema_equals_its_closed_form():
-    # ema_0 = theta_0, ema_t = (1 - b_t) ema_(t-1) + b_t theta_t,
-    # bema_t = a_t (theta_t - theta_0) + ema_t
     model = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
     theta0, bema = model.weight.detach().clone(), B.BEMA(model)
     thetas = [torch.randn(2, 2, generator=torch.Generator().manual_seed(k)) for k in range(5)]
@@ -116,8 +106,10 @@ def dyck_probability(seq, k, D):
     return prob
 
 
-LANGUAGES = [dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brackets=1, max_depth=3),
-             dict(task="shuffle", brackets=2), dict(task="shuffle", brackets=1)]
+LANGUAGES = [B.make_task(R.Config(**lang)).cfg for lang in (
+    dict(task="dyck", brackets=2, max_depth=2), dict(task="dyck", brackets=1, max_depth=3),
+    dict(task="shuffle", brackets=2), dict(task="shuffle", brackets=1))]
+each_language = pytest.mark.parametrize("cfg", LANGUAGES, ids=lambda c: f"{c.task}-{c.brackets}")
 
 
 def random_one_layer(norm, bos=False, n_layer=1):
@@ -129,19 +121,12 @@ def last(model, seq):
     return model(torch.tensor([seq]))[0, -1]
 
 
-@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
-def test_language_samplers_emit_only_legal_streams(lang):
-    cfg = B.make_task(R.Config(**lang)).cfg
-    seqs = B.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0))
-    for seq in seqs.tolist():
+@each_language
+def test_language_samplers_emit_legal_streams_and_targets_vanish_exactly_on_illegal_tokens(cfg):
+    for seq in B.Language(cfg).sample(300, 40, torch.Generator().manual_seed(0)).tolist():
         assert legal_prefix(seq, cfg.task, cfg.brackets, cfg.max_depth)
-
-
-@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
-def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
-    cfg = B.make_task(R.Config(**lang)).cfg
     seqs = B.Language(cfg).sample(40, 25, torch.Generator().manual_seed(1))
-    p = B.Language(cfg).target(seqs, torch.double)
+    p = B.Language(cfg).target(seqs, torch.double)   # sums to 1, and is 0 exactly where illegal
     assert torch.allclose(p.sum(-1), torch.ones(40, 25, dtype=torch.double))
     for b, seq in enumerate(seqs.tolist()):
         for t in range(25):
@@ -150,12 +135,10 @@ def test_language_targets_sum_to_1_and_vanish_exactly_on_illegal_tokens(lang):
                 assert (p[b, t, a] > 0) == legal
 
 
-@pytest.mark.parametrize("lang", LANGUAGES, ids=str)
-def test_language_targets_equal_brute_force_over_all_short_streams(lang):
-    # Enumerate every token sequence of length n; keep the legal ones, weighted by the
-    # automaton (Dyck) or counted (Shuffle: uniform over legal next tokens, so a stream's
-    # weight is the product of 1 / (number of legal next tokens)).
-    cfg = B.make_task(R.Config(**lang)).cfg
+@each_language
+def test_language_targets_equal_brute_force_over_all_short_streams(cfg):
+    # Every stream of length n, weighted by the automaton (Dyck) or, uniform over the legal next
+    # tokens (Shuffle), by the product of 1 / their number.
     k, D, v, n = cfg.brackets, cfg.max_depth, cfg.vocab, 6
 
     def weight(seq):
@@ -303,8 +286,7 @@ def bos_sink_model(v, b, delta, Delta=0.0, attn_scale="none"):
 
 
 def test_log_length_scaling_multiplies_each_querys_scores_by_s_h_log_n():
-    # softmax(s_h log(n) q.k / sqrt(hs)) with n = t + 1 positions seen, by hand, one head
-    # and one query at a time.
+    # By hand, one head and one query at a time, n = t + 1 positions seen (BOS's among them).
     model = randomize(R.Transformer(tiny(attn_scale="logn", n_head=2, bos=True)))
     attn = model.requires_grad_(False).blocks[0].attn
     attn.log_scale.copy_(torch.tensor([0.7, 1.3]))
@@ -378,8 +360,8 @@ def test_log_length_scaling_breaks_proportions_and_lemma_a():
         ends = {k: (last(m, [0, 0, 2]), last(m, [0, 0, 0, 0, 2, 2])) for k, m in models.items()}
         assert torch.allclose(*ends["none"], atol=1e-12)
         diffs.append(f'{(ends["logn"][0] - ends["logn"][1]).abs().max().item():.2g}')
-    assert_quoted(["largest difference is {} (`pre`), {} (`pre-final`), {} (`post`), {} (`post-residual`)"
-                   .format(*diffs)], "theory.md")   # theory.md, Proposition D.1
+    assert_quoted(["largest difference is {} (`pre`), {} (`pre-final`), {} (`post`), {} "
+                   "(`post-residual`)".format(*diffs)], "theory.md")   # theory.md, Proposition D.1
     # Lemma A with logn: head 0's weights at length 3 against the odds read at length 2.
     model, alpha = models["logn"], length_2_split(models["logn"], 5)
     att3 = model(torch.tensor([[1, 3, 0]]), return_attn=True)[1][0][0, 0, 2]
@@ -471,6 +453,16 @@ def test_bos_sink_solution_with_any_weights_gives_minus_delta_prime_sum_of_a_i_e
 
 # ---- the runner and the grids ----------------------------------------------------------------
 # Every grid runs end to end; runs files are kept whole, checked and resumed; Ctrl-C and the ETA.
+def grid_key(run):   # the run's key in its grid's chosen_lr
+    return "{norm}, {targets}, {lr_schedule}".format(**run["config"])
+
+
+def runs_of(runs, regime=None, **config):
+    """The runs in regime ("targets, lr_schedule") whose config has config's values, in order."""
+    return [r for r in runs if regime in (None, "{targets}, {lr_schedule}".format(**r["config"]))
+            and all(r["config"][k] == value for k, value in config.items())]
+
+
 def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     skip_rendering(monkeypatch)
     monkeypatch.setattr(B, "grid_workers", lambda runs, device: 1)   # in this process
@@ -529,8 +521,8 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert len(runs) == 2 * 2 + 2 * 1 and set(chosen) == {"pre, exact, cosine",
                                                           "post, exact, cosine"}
     for norm in ("pre", "post"):
-        first = {r["config"]["lr"]: R.summarize(r["ema"], 2)["tvd_train"] for r in record["runs"]
-                 if r["config"]["norm"] == norm and r["config"]["seed"] == 0}
+        first = {r["config"]["lr"]: R.summarize(r["ema"], 2)["tvd_train"]
+                 for r in runs_of(record["runs"], norm=norm, seed=0)}
         best = chosen[f"{norm}, exact, cosine"]
         assert best == min(first, key=first.get)
         assert {s for n, lr, s in runs if n == norm and lr == best} == {0, 1}
@@ -539,16 +531,16 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert text.startswith("Written by `cmd` (v=6, train lengths 1..2, width 8, 2 layer(s), MLP")
     # Without the MLP norm (P11's ablation), beside the grid above as its depth2:
     os.renames(tmp_path / "t" / "compare.json", tmp_path / "a" / "depth2" / "compare.json")
-    B.compare(B.replace(base, n_layer=2, mlp=True, mlp_norm=False), str(
-        tmp_path / "a" / "mlp_norm" / "layers2"), "cmd", ("pre",), (("exact", "cosine"),), [1e-3, 1e-2])
+    B.compare(B.replace(base, n_layer=2, mlp=True, mlp_norm=False),
+              str(tmp_path / "a/mlp_norm/layers2"), "cmd", ("pre",), (("exact", "cosine"),),
+              [1e-3, 1e-2])
     B.mlp_norm_table(str(tmp_path / "a"))
     record = load(tmp_path / "a/mlp_norm/layers2/compare.json")
-    bare = [r["ema"] for r in record["runs"] if r["config"]["lr"] == record["chosen_lr"][
-        "pre, exact, cosine"]]
+    bare = [r["ema"] for r in runs_of(record["runs"], lr=record["chosen_lr"]["pre, exact, cosine"])]
     rho = sum(m["logit_gap"][3] * 4 for m in bare) / sum(m["logit_gap"][1] * 2 for m in bare)
-    assert read(tmp_path / "a/mlp_norm/mlp_norm.md").splitlines()[-1].startswith(
-        "| 2 | exact, cosine | no |") and read(tmp_path / "a/mlp_norm/mlp_norm.md").endswith(
-        f" | {rho:.2f} |\n")
+    table = read(tmp_path / "a/mlp_norm/mlp_norm.md")
+    assert table.splitlines()[-1].startswith("| 2 | exact, cosine | no |")
+    assert table.endswith(f" | {rho:.2f} |\n")
     B.suite(base, str(tmp_path), "cmd", steps=3, batch_size=4, n_embd=8, train_len=4)
     text = read(tmp_path / "suite.md")
     assert "Dyck-(2, 4)" in text and "| Shuffle-2 | `pre-final` - `post` |" in text
@@ -603,25 +595,25 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
                          (("exact", "cosine"),))[0]
     m = R.evaluate(R.Transformer(cfg), n_perm=2)   # every metric, at s = 1 .. 31
     run = {"config": R.asdict(cfg), "device": "cpu", "seconds": 1.0, "raw": m, "ema": m, "bema": m}
-    alien = [None, {**run, "config": {**run["config"], "old_key": 1}}, {"config": run["config"]},
-             {k: v for k, v in run.items() if k != "bema"}, {**run, "device": "cuda"}]
-    path = tmp_path / "compare.runs.jsonl"
+    without = lambda d, key: {k: v for k, v in d.items() if k != key}  # noqa: E731
+    path, resume = tmp_path / "compare.runs.jsonl", ["--resume"]
+    second_lines = [(x, "line 2: not a run") for x in (  # after a run, with --resume
+        None, {**run, "config": {**run["config"], "old_key": 1}}, {"config": run["config"]},
+        without(run, "bema"), {**run, "device": "cuda"})] + [
+        ("", "(it is blank)"), ("\ufeff" + json.dumps(run), "byte-order mark"),
+        ({**run, "seconds": "3"}, "wrong kind"), (without(run, "raw"), "(no key 'raw')")] + [
+        (x, "(a metric that is not 31 finite numbers)") for x in (
+            {**run, "ema": {**m, "tvd": m["tvd"][1:]}}, {**run, "raw": {**m, "kl": None}},
+            {**run, "bema": {**m, "tvd": ["0.1"] * 31}}, {**run, "ema": {**m, "gap": m["tvd"]}},
+            {**run, "raw": without(m, "logit_gap")}, {**run, "ema": {**m, "kl": [math.nan] * 31}})]
     for lines, flags, said in [([run], [], "holds 1 finished run(s)"),
-                               ([run], ["--resume", "--steps", "3"], "(its steps 2)"),
-                               ([run], ["--resume", "--device", "auto"], "(its device 'cpu')")] + [
-            ([run, x], ["--resume"], "line 2: not a run") for x in alien] + [
-            (["{cut", run], ["--resume"], "line 1: not a run"), ([run, "{cut", run], ["--resume"],
-                                                                 "line 2: not a run")] + [
-            ([run, x], ["--resume"], why) for x, why in [("", "(it is blank)"), ("\ufeff" + json.dumps(
-                run), "byte-order mark"), ({**run, "seconds": "3"}, "wrong kind"), ({
-                k: v for k, v in run.items() if k != "raw"}, "(no key 'raw')")] + [
-                (edited, "(a metric that is not 31 finite numbers)") for edited in [
-                    {**run, "ema": {**m, "tvd": m["tvd"][1:]}}, {**run, "raw": {**m, "kl": None}},
-                    {**run, "bema": {**m, "tvd": ["0.1"] * 31}},
-                    {**run, "ema": {**m, "gap": m["tvd"]}},
-                    {**run, "raw": {k: v for k, v in m.items() if k != "logit_gap"}},
-                    {**run, "ema": {**m, "kl": [math.nan] * 31}}]]] + [
-            ([run], ["--resume", "utf-16"], "not UTF-8 text"), (["\ufeff{}"], ["--resume"], "mark")]:
+                               ([run], [*resume, "--steps", "3"], "(its steps 2)"),
+                               ([run], [*resume, "--device", "auto"], "(its device 'cpu')"),
+                               (["{cut", run], resume, "line 1: not a run"),
+                               ([run, "{cut", run], resume, "line 2: not a run"),
+                               ([run], [*resume, "utf-16"], "not UTF-8 text"),
+                               (["\ufeff{}"], resume, "mark")] + [
+            ([run, x], resume, why) for x, why in second_lines]:
         text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
         path.write_bytes(text.encode("utf-16" if "utf-16" in flags else "utf-8"))
         flags = [f for f in flags if f != "utf-16"]
@@ -692,20 +684,17 @@ def test_the_eta_of_tuned_rates_counts_both_stages(monkeypatch, capsys):
 def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known_values():
     # Wilson 95 % interval of 8 of 10, from the formula by hand: 0.4902 .. 0.9433.
     assert B.wilson(8, 10) == pytest.approx((0.4902, 0.9433), abs=1e-4)
-    # Exact tests against counting all 2^n sign patterns.
+    # Exact tests against counting all 2^n sign patterns: the share as far from the middle or more.
+    def exact_p(weights, observed):
+        mid = sum(weights) / 2
+        return sum(abs(sum(w for w, s in zip(weights, signs) if s) - mid) >= abs(observed - mid)
+                   for signs in itertools.product((0, 1), repeat=len(weights))) / 2**len(weights)
     for n in range(1, 9):
         for k in range(n + 1):
-            extreme = sum(1 for signs in itertools.product((0, 1), repeat=n)
-                          if abs(sum(signs) - n / 2) >= abs(k - n / 2))
-            assert B.sign_test(k, n) == pytest.approx(extreme / 2**n)
+            assert B.sign_test(k, n) == pytest.approx(exact_p([1] * n, k))
     diffs = [0.5, -1.25, 2.0, 3.5, -0.25, 1.0, 4.0, -3.0]
-    ranks = [r for r, _ in enumerate(sorted(diffs, key=abs), start=1)]
-    signed = sorted(diffs, key=abs)
-    w = sum(r for r, d in zip(ranks, signed) if d > 0)
-    mid = sum(ranks) / 2
-    extreme = sum(1 for signs in itertools.product((0, 1), repeat=len(diffs))
-                  if abs(sum(r * s for r, s in zip(ranks, signs)) - mid) >= abs(w - mid))
-    assert B.wilcoxon(diffs) == pytest.approx(extreme / 2**len(diffs))
+    w = sum(r for r, d in enumerate(sorted(diffs, key=abs), start=1) if d > 0)   # signed ranks
+    assert B.wilcoxon(diffs) == pytest.approx(exact_p(range(1, len(diffs) + 1), w))
     assert B.wilcoxon([1.0, 1.0, -1.0]) == pytest.approx(1.0)   # ties: ranks 2, 2, 2
     med, lo, hi = B.bootstrap_median((1.0, 2.0, 3.0, 4.0, 100.0), reps=2000)
     assert med == 3.0 and 1.0 <= lo <= med <= hi <= 100.0
@@ -713,7 +702,7 @@ def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known
     st = B.search_stats([(0.0, 0.01)] * 6 + [(0.5 + i, 0.01) for i in range(4)])
     assert st["sign_p"] == pytest.approx(B.sign_test(4, 4)) == pytest.approx(0.125)
     assert st["wilcoxon_p"] == pytest.approx(0.125) and st["post_wins"] == 4 and st["n"] == 10
-    # Paired t interval: differences 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
+    # Paired t interval of 1, 2, 3, 4, 5: mean 3, sd sqrt(2.5), 95 % t (4 df) 2.776 x sd / sqrt(5).
     m, lo, hi = B.mean_interval([1.0, 2.0, 3.0, 4.0, 5.0])
     assert m == 3.0 and hi - m == pytest.approx(2.776 * math.sqrt(2.5 / 5), rel=1e-12)
     assert lo == pytest.approx(3.0 - 1.9630, abs=1e-4)       # by hand: 2.776 x 0.7071
@@ -721,7 +710,7 @@ def test_search_statistics_and_the_paired_t_interval_match_brute_force_and_known
 
 # ---- --theory and --tables -------------------------------------------------------------------
 # theory.md's closed forms drawn on the hand-built models; --tables checks its ROOT.
-def test_the_lab_predicts_theory_md_s_margins_and_tvds():
+def test_the_lab_predicts_theory_md_s_margins_and_tvds_without_overflow():
     # --theory draws predicted_margin and predicted_tvd: Appendix C's margins (margin_c, written
     # from theory.md), with eps and at eps = 0, and section 2.4's pi, at every length.
     for v, norm, gamma, eps in itertools.product((5, 32), R.NORMS, (0.7, 1.0), (1e-5, 0.0)):
@@ -729,9 +718,7 @@ def test_the_lab_predicts_theory_md_s_margins_and_tvds():
             m = B.predicted_margin(v, norm, s, gamma, eps)
             assert m == pytest.approx(margin_c(v, norm, s, gamma, eps), rel=1e-12)
             assert B.predicted_tvd(v, s, m) == pytest.approx(pi(v, s, m), rel=1e-12)
-
-
-def test_theory_tvd_never_overflows():
+    # and predicted_tvd never overflows
     assert 0 <= B.predicted_tvd(1024, 900, 5000.0) < 1e-300   # e^-5000: 0 in float64
     assert 0 <= B.predicted_tvd(128, 119, 1e6) < 1e-300
     assert B.predicted_tvd(32, 5, 3.0) == pytest.approx(5 / (5 + 27 * math.exp(3.0)))
@@ -778,17 +765,19 @@ def test_tables_refuses_a_root_or_out_it_cannot_use_before_writing(tmp_path, cap
 LAB_BAD_INPUT = [   # argv, and after " | " the flag its one line names where that is not argv[0]
     "--vocab 8 | give one mode", "--task dyck --compare", "--compare --suite | --suite",
     "--theory --resume | --resume", "--compare --vocab 8 --train-len 4 | --train-len",
-    "--save SAVE/m.pt --theory", "--compare --post-norm | --post-norm", "--compare --ema 0.9 | --ema",
-    "--theory --steps 5 | --steps", "--suite --vocab 9 | --vocab", "--suite --train-len 1000 | --train-len",
-    "--suite --train-len 1024 | --train-len", "--compare --steps 0 | --steps",
-    "--compare --seed -1 | --seed", f"--suite --seed {2**32 - 4} | --seed",
-    "--compare --attn-scale cubic | --attn-scale", "--compare --dropout 0.1 | --dropout",
-    "--search 0", "--search 4 --vocab 8 | --vocab", "--search 4 --lrs 0.1,2 | --lrs",
-    "--compare --lrs 0.1,0.1 | --lrs", "--compare --lrs x | --lrs",
-    "--compare --norms pre,middle | --norms", "--compare --regimes sampled/linear | --regimes",
+    "--save SAVE/m.pt --theory", "--compare --post-norm | --post-norm",
+    "--compare --ema 0.9 | --ema", "--theory --steps 5 | --steps", "--suite --vocab 9 | --vocab",
+    "--suite --train-len 1000 | --train-len", "--suite --train-len 1024 | --train-len",
+    "--compare --steps 0 | --steps", "--compare --seed -1 | --seed",
+    f"--suite --seed {2**32 - 4} | --seed", "--compare --attn-scale cubic | --attn-scale",
+    "--compare --dropout 0.1 | --dropout", "--search 0", "--search 4 --vocab 8 | --vocab",
+    "--search 4 --lrs 0.1,2 | --lrs", "--compare --lrs 0.1,0.1 | --lrs",
+    "--compare --lrs x | --lrs", "--compare --norms pre,middle | --norms",
+    "--compare --regimes sampled/linear | --regimes",
     "--theory --vocab 1024 --train-len 900 | --vocab", "--compare --no-mlp-norm | --no-mlp-norm",
     "--search 4 --mlp --no-mlp-norm | --no-mlp-norm", "--search 4 --mlp --lrs 0.01,0.1 | --lrs",
-    "--tables", "--compare --ste 5 | --ste", "--compare --norm post | --norm", "--compare --out '' | --out",
+    "--tables", "--compare --ste 5 | --ste", "--compare --norm post | --norm",
+    "--compare --out '' | --out",
     # the memory estimate of the suite: Dyck's evaluation's attention
     "--suite --train-len 256 --n-layer 16 --n-head 64 --n-embd 64 --batch-size 1 | --batch-size",
     f"--compare --device {'mps' if torch.cuda.is_available() else 'cuda'} | --device"]
@@ -844,6 +833,8 @@ def test_a_closed_pipe_ends_quietly(tmp_path, monkeypatch, capsys):
                                    "suite.md", "tuned/compare.md", "search_tuned/search.md", "search_mlp/search.md"] + [
     os.path.relpath(p, os.path.join(HERE, "plots")) for d in ("depth*", "mlp_norm") for p in sorted(
         glob.glob(os.path.join(HERE, "plots", d, "**", "compare.md"), recursive=True))])
+
+
 def test_each_committed_table_is_what_its_command_writes_from_its_json(table, tmp_path,
                                                                       monkeypatch, capsys):
     # Rerun the command named in the table's first line with run_grid answering from the
@@ -888,17 +879,37 @@ def numbers_in(text):
     return re.findall(r"\d+(?:\.\d+)*", text)
 
 
-def test_the_readme_front_door_is_short_and_in_order():
+SC, EC = "sampled, constant", "exact, cosine"   # the regimes the documents quote most
+TRAIN, BEYOND = "training lengths", "mean, s = 13..31"   # columns of a grid's summary
+
+
+def apart(lower, higher):   # outside seed noise: each seed of one arm below each of the other's
+    return max(lower) < min(higher)
+
+
+def seed_mean(curves):   # the mean over seeds of a curve, one value a length
+    return [mean(c) for c in zip(*curves)]
+
+
+def fit_cell(fit, at_2l):   # depth.md's and mlp_norm.md's: training TVD / 2 L (seeds' range)
+    return f"{fit:.4f} / {mean(at_2l):.4f} ({min(at_2l):.3f} - {max(at_2l):.3f})"
+
+
+def span(pair, dash="\u2013"):   # an interval as the documents write it: 0.81–1.22
+    return f"{pair[0]:.2f}{dash}{pair[1]:.2f}"
+
+
+def test_the_readme_front_door_is_short_in_order_and_grades_each_finding_on_one_scale():
     readme = read("README.md")
     opening = readme.split("\n## ", 1)[0].split("\n", 1)[1]
     assert len(opening.split()) <= 120
-    numbers = re.findall(r"(?<![\w.])\d+\.\d+|\d+ %", re.sub(r"\(https?://[^)]*\)|arXiv [\d.]+", "",
-                                                            opening))
+    numbers = re.findall(r"(?<![\w.])\d+\.\d+|\d+ %",
+                         re.sub(r"\(https?://[^)]*\)|arXiv [\d.]+", "", opening))
     assert len(numbers) <= 4, numbers
     # it names the placements it speaks of, and which one is the paper's
     said = " ".join(opening.split())
-    assert all(name in said for name in ("(`pre`, the theorem's model)", "(`post`, the paper's Post-Norm)",
-                                         "(`pre-final`, GPT-2's final norm)"))
+    assert all(name in said for name in ("(`pre`, the theorem's model)", "(`post`, the paper's "
+                                         "Post-Norm)", "(`pre-final`, GPT-2's final norm)"))
     # the first screen, lines 1-60: at most 45 numbers
     assert len(first_screen := numbers_in("\n".join(readme.splitlines()[:60]))) <= 45, first_screen
     headings = [line for line in readme.splitlines() if line.startswith("## ")]
@@ -908,6 +919,29 @@ def test_the_readme_front_door_is_short_and_in_order():
     assert readme.splitlines().index("## Exercises") <= 140
     findings = readme.split("\n## Findings", 1)[1].split("\n## ", 1)[0]
     assert len([line for line in findings.splitlines() if line.startswith("| ")]) - 2 <= 12
+    # The findings table names its columns and grades each row on the README's one scale,
+    # strongest first, each grade defined once above the table.
+    above, table = findings.split("\n| ", 1)
+    rows = [line.strip("| ").split(" | ") for line in ("| " + table).splitlines() if line]
+    assert rows[0] == ["question", "answer", "evidence", "notebook"] and len(rows) > 3
+    strengths = ("strong", "moderate", "weak", "exploratory")
+    assert all(f"**{word}**: " in above for word in strengths)
+    notebook = flat("plots/README.md")
+    for question, answer, evidence, link in rows[2:]:
+        # the answer: one sentence of at most 250 characters with at most two numbers
+        assert len(answer) <= 250 and len(numbers_in(answer)) <= 2, question
+        sentence = re.sub(r"\d\.\d", "", answer)   # decimal points are not full stops
+        assert sentence.endswith(".") and "." not in sentence[:-1], question   # one sentence
+        assert len(evidence) <= 200, question
+        words = [w for w in strengths if re.search(rf"\b{w}\b", evidence)]
+        assert len(words) == 1 and evidence.startswith(f"**{words[0]}**: "), question
+        assert link.startswith("[§") and question.endswith("?")
+        # strong only on predictions the notebook calls held without a qualifier
+        if words[0] == "strong":
+            cited = re.findall(r"\bP(\d+)\b", evidence)
+            assert cited and all(f"**P{n} held**" in notebook for n in cited), question
+        if "P1 " in evidence:   # P1's earlier runs disclosed wherever P1 is cited
+            assert "committed before P1 was written" in evidence, question
 
 
 def test_every_relative_link_in_the_three_documents_resolves():
@@ -941,196 +975,164 @@ def test_notebook_tables_are_copied_from_the_generated_tables():
 def test_the_laws_in_the_trained_models_match_plots_compare_json():
     # Lab notebook, section 1 (and the README's idea): minima and maxima over all 31 lengths and
     # all 3 seeds of the EMA weights, sampled targets, constant rate.
-    record, v, sc = load("plots/compare.json"), 32, "sampled, constant"
-    runs = [r for r in record["runs"] if r["config"]["targets"] == "sampled"
-            and r["config"]["lr_schedule"] == "constant"]
-    ema = lambda n: [r["ema"] for r in runs if r["config"]["norm"] == n]  # noqa: E731
-    gap_s = [g * s for m in ema("pre") for s, g in enumerate(m["logit_gap"], 1)]
-    shape = [g * math.sqrt(s * (v - s)) / v for m in ema("post")
+    record, v = load("plots/compare.json"), 32
+    summary = record["summary"]
+    ema = {n: [r["ema"] for r in runs_of(record["runs"], SC, norm=n)] for n in R.NORMS}
+    gap_s = [g * s for m in ema["pre"] for s, g in enumerate(m["logit_gap"], 1)]
+    shape = [g * math.sqrt(s * (v - s)) / v for m in ema["post"]
              for s, g in enumerate(m["logit_gap"], 1)]
-    entropy = {n: max(abs(h - math.log(s)) for m in ema(n)
+    entropy = {n: max(abs(h - math.log(s)) for m in ema[n]
                       for s, h in enumerate(m["attn_entropy"], 1)) for n in R.NORMS}
     assert max(gap_s) / min(gap_s) < 1.01 and max(shape) / ((max(shape) + min(shape)) / 2) < 1.03
     assert max(entropy[n] for n in ("pre", "pre-final", "post")) < 0.002
-    seeds = {n: [mean(c) for c in zip(*[m["logit_gap"] for m in ema(n)])] for n in ("pre", "post")}
-    assert_quoted([f"its gap falls from {seeds['pre'][0]:.2f} at s = 1 to {seeds['pre'][30]:.2f} at "
-                   f"s = 31 (3-seed means)", f"trained, it never falls below "
+    seeds = {n: seed_mean(m["logit_gap"] for m in ema[n]) for n in ("pre", "post")}
+    assert_quoted([f"its gap falls from {seeds['pre'][0]:.2f} at s = 1 to {seeds['pre'][30]:.2f} "
+                   "at s = 31 (3-seed means)", "trained, it never falls below "
                    f"{math.floor(100 * min(seeds['post'])) / 100:.2f} (3-seed mean)",
                    f"`post-residual` up to {entropy['post-residual']:.3f} below"], "README.md")
-    gap = {r["config"]["norm"]: r["ema"]["logit_gap"] for r in runs if r["config"]["seed"] == 0}
-    pre, post = gap["pre"], gap["post"]
+    pre, post = (runs_of(record["runs"], SC, norm=n, seed=0)[0]["ema"]["logit_gap"]
+                 for n in ("pre", "post"))
     # the trained delta predicts the error: pi(s) with each seed's mean gap x s
-    predicted = [[s / (s + (v - s) * math.exp(sum(g * t for t, g in enumerate(m["logit_gap"], 1))
-                                              / 31 / s)) for s in range(1, 32)] for m in ema("pre")]
-    measured, at = [m["tvd"] for m in ema("pre")], lambda curves, s: mean([c[s - 1] for c in curves])
-    beyond = lambda curves: sum(at(curves, s) for s in range(13, 32)) / 19  # noqa: E731
+    predicted = seed_mean([s / (s + (v - s) * math.exp(sum(g * t for t, g in enumerate(
+        m["logit_gap"], 1)) / 31 / s)) for s in range(1, 32)] for m in ema["pre"])
+    measured = seed_mean(m["tvd"] for m in ema["pre"])
     order = ("post", "pre-final", "post-residual", "pre")
-    means = [cell(record["summary"], sc, n, column="mean, s = 13..31") for n in order]
-    at_2l = [cell(record["summary"], sc, n) for n in order]
+    means = [cell(summary, SC, n, column=BEYOND) for n in order]
+    at_2l = [cell(summary, SC, n) for n in order]
     assert means == sorted(means) and at_2l == sorted(at_2l)
     assert_quoted([
         f"gap × s between {min(gap_s):.2f} and {max(gap_s):.2f} over $s = 1..31$, constant to "
         "within 1 %",
         f"between {min(shape):.3f} and {max(shape):.3f} over $s = 1..31$ (within ±3 %",
         f"`post-residual`: up to {entropy['post-residual']:.3f} nats below",
-        f"seed 0: gap {pre[0]:.2f} at $s = 1$, {pre[11]:.2f} at $s = 12$, {pre[30]:.2f} at $s = 31$",
-        f"seed 0: {post[0]:.2f} at $s = 1$, {post[11]:.2f} at $s = 12$, {post[30]:.2f} at $s = 31$, "
-        f"never below {min(post):.2f}",
-        f"$\\pi(s)$ gives {at(predicted, 31):.3f} at $s = 31$ and {beyond(predicted):.3f} over "
-        f"$s = 13..31$; the models measure {at(measured, 31):.3f} and {beyond(measured):.3f}",
+        f"seed 0: gap {pre[0]:.2f} at $s = 1$, {pre[11]:.2f} at $s = 12$, {pre[30]:.2f} at "
+        "$s = 31$", f"seed 0: {post[0]:.2f} at $s = 1$, {post[11]:.2f} at $s = 12$, {post[30]:.2f} "
+        f"at $s = 31$, never below {min(post):.2f}",
+        f"$\\pi(s)$ gives {predicted[30]:.3f} at $s = 31$ and {mean(predicted[12:]):.3f} over "
+        f"$s = 13..31$; the models measure {measured[30]:.3f} and {mean(measured[12:]):.3f}",
         "mean TVD over $s = 13..31$: " + ", ".join(f"{x:.3f}" for x in means) + "; at 2 L: "
         + ", ".join(f"{x:.4f}" for x in at_2l),
         f"the grid itself took {record['wall_seconds']:.0f} s"])
-    summary, train, beyond = record["summary"], "training lengths", "mean, s = 13..31"
-    at = lambda norm, avg, col: f"{cell(summary, sc, norm, avg, col):.4f}"  # noqa: E731
-    assert_quoted([f"`post` {at('post', 'raw', train)} \u2192 {at('post', 'ema', train)}",
-                   f"`pre` {at('pre', 'raw', train)} \u2192 {at('pre', 'ema', train)}",
-                   f"s = 13..31: {at('post', 'raw', beyond)} \u2192 {at('post', 'ema', beyond)}",
-                   f"raises `pre`'s ({at('pre', 'raw', beyond)} \u2192 {at('pre', 'ema', beyond)})",
-                   f"all four placements (`post` {at('post', 'bema', beyond)})",
+    at = lambda norm, avg, col: f"{cell(summary, SC, norm, avg, col):.4f}"  # noqa: E731
+    assert_quoted([f"`post` {at('post', 'raw', TRAIN)} \u2192 {at('post', 'ema', TRAIN)}",
+                   f"`pre` {at('pre', 'raw', TRAIN)} \u2192 {at('pre', 'ema', TRAIN)}",
+                   f"s = 13..31: {at('post', 'raw', BEYOND)} \u2192 {at('post', 'ema', BEYOND)}",
+                   f"raises `pre`'s ({at('pre', 'raw', BEYOND)} \u2192 {at('pre', 'ema', BEYOND)})",
+                   f"all four placements (`post` {at('post', 'bema', BEYOND)})",
                    "and is far worse with exact targets, except for `pre`"])
     # "as in every regime": the EMA raises pre's extrapolation TVD in all four regimes
-    assert all(cell(summary, r, "pre", "ema", beyond) > cell(summary, r, "pre", "raw", beyond)
+    assert all(cell(summary, r, "pre", "ema", BEYOND) > cell(summary, r, "pre", "raw", BEYOND)
                for r in summary)
     # "BEMA beats the EMA there for all four placements"
-    assert all(cell(summary, sc, n, "bema", beyond) < cell(summary, sc, n, "ema", beyond)
+    assert all(cell(summary, SC, n, "bema", BEYOND) < cell(summary, SC, n, "ema", BEYOND)
                for n in R.NORMS)
     # "and is far worse with exact targets, except for `pre`"
-    for regime in ("exact, constant", "exact, cosine"):
-        ema_bema = {n: (cell(summary, regime, n, "ema", beyond),
-                        cell(summary, regime, n, "bema", beyond)) for n in R.NORMS}
+    for regime in ("exact, constant", EC):
+        ema_bema = {n: (cell(summary, regime, n, "ema", BEYOND),
+                        cell(summary, regime, n, "bema", BEYOND)) for n in R.NORMS}
         assert all(b > 3 * e for n, (e, b) in ema_bema.items() if n != "pre")
         assert ema_bema["pre"][1] < ema_bema["pre"][0]
 
 
 def test_the_readme_findings_match_their_json():
-    compare, sc, ec = load("plots/compare.json")["summary"], "sampled, constant", "exact, cosine"
-    two_l, lower = {n: cell(compare, sc, n) for n in R.NORMS}, {}
+    compare = load("plots/compare.json")
+    summary, lower = compare["summary"], {}
+    two_l = {n: cell(summary, SC, n) for n in R.NORMS}
     # post against pre-final at 2 L: outside seed noise in every regime, and the order flips
-    for regime in compare:
-        post, final = (cell(compare, regime, n, over=list) for n in ("post", "pre-final"))
+    for regime in summary:
+        post, final = (cell(summary, regime, n, over=list) for n in ("post", "pre-final"))
         assert max(statistics.stdev(post), statistics.stdev(final)) < 0.001
-        assert max(post) < min(final) or max(final) < min(post)
-        lower[regime] = "post" if max(post) < min(final) else "pre-final"
-    assert lower == {"sampled, constant": "post", "sampled, cosine": "post",
-                     "exact, constant": "pre-final", "exact, cosine": "pre-final"}
-    post, final = (cell(compare, "exact, constant", n, over=list) for n in ("post", "pre-final"))
+        assert apart(post, final) or apart(final, post)
+        lower[regime] = "post" if apart(post, final) else "pre-final"
+    assert lower == {SC: "post", "sampled, cosine": "post", "exact, constant": "pre-final",
+                     EC: "pre-final"}
+    post, final = (cell(summary, "exact, constant", n, over=list) for n in ("post", "pre-final"))
     sd = math.sqrt((statistics.variance(post) + statistics.variance(final)) / 2)   # pooled
-    assert_quoted(["each regime's order is outside seed noise by that rule", f"constant rate `post` "
+    assert_quoted(["each regime's order is outside seed noise by that rule", "constant rate `post` "
                    f"and `pre-final` are {(mean(post) - mean(final)) / sd:.1f} pooled standard "
                    f"deviations apart ({mean(post):.4f} against {mean(final):.4f})"])
-    assert all(max(R.NORMS, key=lambda n: cell(compare, r, n)) == "pre" for r in compare)
-    assert all(cell(compare, r, "pre-final") < cell(compare, r, "post") for r in compare if "exa" in r)
-    ratios = [cell(compare, sc, n, "raw", "training lengths")
-              / cell(compare, sc, n, "ema", "training lengths") for n in R.NORMS]
+    assert all(max(R.NORMS, key=lambda n: cell(summary, r, n)) == "pre" for r in summary)
+    assert all(cell(summary, r, "pre-final") < cell(summary, r, "post") for r in summary
+               if "exa" in r)
+    ratios = [cell(summary, SC, n, "raw", TRAIN) / cell(summary, SC, n, "ema", TRAIN)
+              for n in R.NORMS]
     assert round(min(ratios)) == 3 and round(max(ratios)) == 6
     P, A = (load("plots/search.json")["summary"][n]["ema"]["all"] for n in ("pre-final", "pre"))
-    T = load("plots/search_tuned/search.json")["summary"]["pre-final"]["ema"]["all"]
+    S = load("plots/search_tuned/search.json")["summary"]["pre-final"]["ema"]["all"]
     tuned, long = load("plots/tuned/compare.json"), load("plots/long/compare.json")["summary"]
-    at_4l = {n: cell(long, sc, n, column="s = 60 (4 L)") for n in ("pre", "pre-final", "post")}
+    # "outside seed noise": every seed of the lower arm below every seed of the other
+    seeds_4l = {(r, n): cell(long, r, n, column="s = 60 (4 L)", over=list)
+                for r in (SC, EC) for n in ("pre", "pre-final", "post")}
+    at_4l = {n: mean(seeds_4l[SC, n]) for n in ("pre", "pre-final", "post")}
     assert at_4l["post"] < at_4l["pre-final"] < at_4l["pre"]
-    assert all(cell(long, ec, "pre-final", column=c) < cell(long, ec, n, column=c)
-               for c in long[ec]["pre"]["ema"] for n in ("pre", "post"))
+    assert apart(seeds_4l[SC, "post"], seeds_4l[SC, "pre-final"])
+    assert apart(seeds_4l[SC, "pre-final"], seeds_4l[SC, "pre"])
+    assert all(apart(seeds_4l[EC, "pre-final"], seeds_4l[EC, n]) for n in ("pre", "post"))
+    assert all(cell(long, EC, "pre-final", column=c) < cell(long, EC, n, column=c)
+               for c in long[EC]["pre"]["ema"] for n in ("pre", "post"))
+    assert apart(*(cell(tuned["summary"], SC, n, over=list) for n in ("pre-final", "post")))
     bos, plain = (next(line for line in read("plots/alternatives.md").splitlines()
-                       if line.startswith(f"| {name} | EMA 0.999 |")).split(" | ")[3].split(" +- ")[0]
-                  for name in ("pre + BOS", "pre"))
+                       if line.startswith(f"| {name} | EMA 0.999 |")).split(" | ")[3]
+                  .split(" +- ")[0] for name in ("pre + BOS", "pre"))
+    bos_seeds, pre_seeds = ([mean(r["ema"]["tvd"][12:]) for r in runs_of(
+        load("plots/alternatives.json")["runs"], norm="pre", bos=b, dropout=0.0,
+        attn_scale="none")] for b in (True, False))
+    assert len(bos_seeds) == len(pre_seeds) == 3 and apart(bos_seeds, pre_seeds)
     suite = [line for line in read("plots/suite.md").splitlines() if "` - `post` |" in line]
     assert len(suite) == 4 and all(line.endswith("| no |") for line in suite)
     assert all(line.split(" | ")[3].startswith("+") for line in suite)   # post lowest on average
-    # "outside seed noise": every seed of the lower arm below every seed of the other
-    apart = lambda lo, hi: max(lo) < min(hi)  # noqa: E731
-    tuned_at = {n: cell(tuned["summary"], sc, n, over=list) for n in ("pre-final", "post")}
-    assert apart(tuned_at["pre-final"], tuned_at["post"])
-    seeds_4l = {(r, n): cell(long, r, n, column="s = 60 (4 L)", over=list)
-                for r in (sc, ec) for n in ("pre", "pre-final", "post")}
-    assert apart(seeds_4l[sc, "post"], seeds_4l[sc, "pre-final"])
-    assert apart(seeds_4l[sc, "pre-final"], seeds_4l[sc, "pre"])
-    assert all(apart(seeds_4l[ec, "pre-final"], seeds_4l[ec, n]) for n in ("pre", "post"))
-    alternatives = load("plots/alternatives.json")["runs"]
-    bos_seeds, pre_seeds = ([mean(r["ema"]["tvd"][12:]) for r in alternatives if r["config"]["norm"]
-                            == "pre" and r["config"]["bos"] == b and not r["config"]["dropout"]
-                            and r["config"]["attn_scale"] == "none"] for b in (True, False))
-    assert len(bos_seeds) == len(pre_seeds) == 3 and apart(bos_seeds, pre_seeds)
     # the opening: one layer, sampled targets, constant rate, 2 L
-    pre, post = (cell(compare, sc, n, over=list) for n in ("pre", "post"))
-    assert two_l["post"] < two_l["pre"] / 5 and max(post) < min(pre)   # under a fifth, in all 3 seeds
+    pre, post = (cell(summary, SC, n, over=list) for n in ("pre", "post"))
+    assert two_l["post"] < two_l["pre"] / 5 and apart(post, pre)   # under a fifth, in all 3 seeds
     assert two_l["pre-final"] < 1.15 * two_l["post"] and len(pre) == len(post) == 3   # about as low
     assert_quoted([f"`post`'s error is under a fifth of `pre`'s ({two_l['post']:.3f} against "
-                   f"{two_l['pre']:.3f}; strong evidence, all 3 seeds apart), `pre-final`'s about as "
-                   "low"], "README.md")
+                   f"{two_l['pre']:.3f}; strong evidence, all 3 seeds apart), `pre-final`'s about "
+                   "as low"], "README.md")
     # P1's runs committed before P1: every run with sampled targets and a constant rate, and post's
-    runs = load("plots/compare.json")["runs"]
-    before = [r for r in runs if (r["config"]["targets"], r["config"]["lr_schedule"]) == ("sampled",
-              "constant") or r["config"]["norm"] == "post"]
+    runs = compare["runs"]
+    before = [r for r in runs if r in runs_of(runs, SC) or r["config"]["norm"] == "post"]
     assert_quoted([f"but {len(before)} of its {len(runs)} runs, the two quoted among them, were "
                    "committed before P1 was written"], "README.md")
     assert_quoted([f"{len(before)} of the {len(runs)} runs of `--compare`", f"{len(before)} of the "
-                   f"{len(runs)} runs were committed before P1: every run with sampled targets and a "
-                   "constant rate, and `post`'s in the other regimes"])
+                   f"{len(runs)} runs were committed before P1: every run with sampled targets and "
+                   "a constant rate, and `post`'s in the other regimes"])
     findings = flat("README.md").split("## Findings", 1)[1].split("## Tests and flags", 1)[0]
     for fragment in [
-            f"`pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f} (sampled targets, constant rate)",
+            f"`pre` {two_l['pre']:.3f}, `post` {two_l['post']:.3f} (sampled targets, constant "
+            "rate)",
             f"sampled targets ({two_l['post']:.3f} against {two_l['pre-final']:.3f})",
             "it cuts the training-length TVD 3 to 6 times",
             f"`post` beats `pre` in {A['post_wins']} of {A['n']} random configurations",
             f"TVD(`pre-final`) / TVD(`post`) {P['median_ratio']:.2f} (95 % interval "
-            f"{P['median_ratio_95'][0]:.2f}–{P['median_ratio_95'][1]:.2f})",
-            f"`pre-final` ahead of `post` ({cell(tuned['summary'], sc, 'pre-final'):.3f} "
-            f"against {cell(tuned['summary'], sc, 'post'):.3f})",
-            f"No detectable difference (median TVD(`pre-final`) / TVD(`post`) {T['median_ratio']:.2f})",
-            f"its interval {T['median_ratio_95'][0]:.2f}–{T['median_ratio_95'][1]:.2f}",
+            f"{span(P['median_ratio_95'])})",
+            f"`pre-final` ahead of `post` ({cell(tuned['summary'], SC, 'pre-final'):.3f} "
+            f"against {cell(tuned['summary'], SC, 'post'):.3f})",
+            "No detectable difference (median TVD(`pre-final`) / TVD(`post`) "
+            f"{S['median_ratio']:.2f})", f"its interval {span(S['median_ratio_95'])}",
             f"`post` {at_4l['post']:.2f}, `pre` {at_4l['pre']:.2f}, `pre-final` between",
-            f"a BOS sink helps a little (mean TVD beyond the training lengths {bos} against {plain})",
+            "a BOS sink helps a little (mean TVD beyond the training lengths "
+            f"{bos} against {plain})",
             "no difference is distinguishable from seed noise, not even against `pre`"]:
         assert fragment in findings, fragment
     chosen = {k.split(",")[0]: lr for k, lr in tuned["chosen_lr"].items()}
-    seed0 = {(c["norm"], c["lr"]): r["ema"]["tvd"][23] for r in tuned["runs"] for c in [r["config"]]
-             if c["seed"] == 0 and (c["targets"], c["lr_schedule"]) == ("sampled", "constant")}
-    below = [x for (n, lr), x in seed0.items() if n == "post" and lr < chosen["post"]]   # lower rates
+    seed0 = {(r["config"]["norm"], r["config"]["lr"]): r["ema"]["tvd"][23]
+             for r in runs_of(tuned["runs"], SC, seed=0)}
+    below = [x for (n, lr), x in seed0.items() if n == "post" and lr < chosen["post"]]
     assert len(below) == 4 and max(below) < seed0["pre-final", chosen["pre-final"]]
-    assert_quoted(["at each of its four lower rates `post` was below `pre-final`, on one seed"], "README.md")
-    assert_quoted([f"on seed 0 each of its four lower rates is below `pre-final` at its chosen rate: "
-                   f"{min(below):.3f} to {max(below):.3f} against "
+    assert_quoted(["at each of its four lower rates `post` was below `pre-final`, on one seed"],
+                  "README.md")
+    assert_quoted(["on seed 0 each of its four lower rates is below `pre-final` at its chosen "
+                   f"rate: {min(below):.3f} to {max(below):.3f} against "
                    f"{seed0['pre-final', chosen['pre-final']]:.3f})"])
-    t_post, t_final = ([mean(c) for c in zip(*[   # sampled, constant, at the chosen rate
-        r["ema"]["tvd"] for r in tuned["runs"] if (r["config"]["norm"], r["config"]["lr"],
-        r["config"]["targets"], r["config"]["lr_schedule"]) == (n, chosen[n], "sampled",
-                                                                 "constant")])]
-        for n in ("post", "pre-final"))
-    final, post = (cell(tuned["summary"], sc, n) for n in ("pre-final", "post"))
+    t_post, t_final = (seed_mean(r["ema"]["tvd"] for r in runs_of(
+        tuned["runs"], SC, norm=n, lr=chosen[n])) for n in ("post", "pre-final"))   # chosen rates
+    final, post = (cell(tuned["summary"], SC, n) for n in ("pre-final", "post"))
     assert_quoted([
         "The chosen rates differ: " + ", ".join(f"{chosen[n]:g} (`{n}`)"
                                                 for n in ("pre", "pre-final", "post")),
         f"within a factor {post / final:.2f} ({final:.4f} and {post:.4f}, in `pre-final`'s favour)",
-        f"`post` is below `pre-final` from $s = {tuned['summary'][sc]['crossover']['ema']}$ and at "
+        f"`post` is below `pre-final` from $s = {tuned['summary'][SC]['crossover']['ema']}$ and at "
         f"$s = 31$ ({t_post[30]:.3f} against {t_final[30]:.3f})"])
-
-
-STRENGTHS = ("strong", "moderate", "weak", "exploratory")   # the README's scale, strongest first
-
-
-def test_the_findings_table_names_its_columns_and_grades_each_row_on_one_scale():
-    findings = read("README.md").split("\n## Findings", 1)[1].split("\n## ", 1)[0]
-    above, table = findings.split("\n| ", 1)
-    rows = [line.strip("| ").split(" | ") for line in ("| " + table).splitlines() if line]
-    assert rows[0] == ["question", "answer", "evidence", "notebook"] and len(rows) > 3
-    assert all(f"**{word}**: " in above for word in STRENGTHS)   # each defined once, above
-    notebook = flat("plots/README.md")
-    for question, answer, evidence, link in rows[2:]:
-        # the answer: one sentence of at most 250 characters with at most two numbers
-        assert len(answer) <= 250 and len(numbers_in(answer)) <= 2, question
-        sentence = re.sub(r"\d\.\d", "", answer)   # decimal points are not full stops
-        assert sentence.endswith(".") and "." not in sentence[:-1], question   # one sentence
-        assert len(evidence) <= 200, question
-        words = [w for w in STRENGTHS if re.search(rf"\b{w}\b", evidence)]
-        assert len(words) == 1 and evidence.startswith(f"**{words[0]}**: "), question
-        assert link.startswith("[§") and question.endswith("?")
-        # strong only on predictions the notebook calls held without a qualifier
-        if words[0] == "strong":
-            cited = re.findall(r"\bP(\d+)\b", evidence)
-            assert cited and all(f"**P{n} held**" in notebook for n in cited), question
-        if "P1 " in evidence:   # P1's earlier runs disclosed wherever P1 is cited
-            assert "committed before P1 was written" in evidence, question
 
 
 def documented_commands():
@@ -1212,17 +1214,19 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
     skip_rendering(monkeypatch)
     B.depth_sweep(os.path.join(HERE, "plots"), str(tmp_path))
     assert read(tmp_path / "depth.md") == (table := read("plots/depth.md"))
-    norms, sc, ec = ("pre", "pre-final", "post"), "sampled, constant", "exact, cosine"
-    walls, runs, ratios, paired, ats, outside = {}, {}, [], {}, {}, 0
+    norms, records = ("pre", "pre-final", "post"), {}
+    runs, ratios, paired, ats, outside = {}, [], {}, {}, 0
+    signed = lambda x: "{:+.3f} ({:+.3f} to {:+.3f})".format(*x)  # noqa: E731
     for d in (1, 2, 3, 4):
-        walls[d] = (record := load(f"plots/depth{d}/compare.json"))["wall_seconds"]
+        record = records[d] = load(f"plots/depth{d}/compare.json")
         more = glob.glob(os.path.join(HERE, f"plots/depth{d}/*/compare.json"))
         for r in record["runs"] + sum((load(p)["runs"] for p in sorted(more)), []):
-            key = "{norm}, {targets}, {lr_schedule}".format(**r["config"])
-            assert r in record["runs"] or r["config"]["lr"] == record["chosen_lr"][key]
-            if r["config"]["lr"] == record["chosen_lr"][key]:
-                runs.setdefault((d, key), []).append(r["ema"] | {"seed": r["config"]["seed"]})
-    for d, regime in itertools.product((1, 2, 3, 4), (sc, ec)):   # depth.md's rows, seeds paired
+            at_chosen = r["config"]["lr"] == record["chosen_lr"][grid_key(r)]
+            assert at_chosen or r in record["runs"]   # seeds added later: at the chosen rate
+            if at_chosen:
+                seed = {"seed": r["config"]["seed"]}
+                runs.setdefault((d, grid_key(r)), []).append(r["ema"] | seed)
+    for d, regime in itertools.product((1, 2, 3, 4), (SC, EC)):   # depth.md's rows, seeds paired
         rs = {n: runs[d, f"{n}, {regime}"] for n in norms}
         assert all([m["seed"] for m in x] == list(range(len(x))) for x in rs.values())
         ats[d, regime] = at = {n: [m["tvd"][23] for m in x] for n, x in rs.items()}
@@ -1230,71 +1234,74 @@ def test_depth_table_and_notebook_numbers_match_the_depth_grids(tmp_path, monkey
         ratios.append(mean(at[nxt := min(norms[1:], key=lambda n: mean(at[n]))]) / mean(at["pre"]))
         paired[d, regime] = B.mean_interval([a - b for a, b in zip(at["pre"], at[nxt])])
         assert mean(at["pre"]) < mean(at[nxt]) and paired[d, regime][2] < 0   # outside, paired
-        outside += (apart := all(max(at["pre"]) < min(at[n]) for n in norms[1:]))
-        assert (f"| {d} | {regime} | {len(at['pre'])} | " + " | ".join(
-            f"{fit[n]:.4f} / {mean(at[n]):.4f} ({min(at[n]):.3f} - {max(at[n]):.3f})" for n in norms)
-            + " | `pre` | {} | {:+.3f} ({:+.3f} to {:+.3f}) |".format(
-                "outside" if apart else "within", *paired[d, regime])) in table
-    dev = {(d, key, i): [mean(c) for c in zip(*[[h - u for h, u in zip(m.get(   # mean of 3 seeds
-        f"attn_entropy_layer{i}", m["attn_entropy"]), m["log_positions"])] for m in ms[:3]])]
+        outside += (is_apart := all(apart(at["pre"], at[n]) for n in norms[1:]))
+        assert (f"| {d} | {regime} | {len(at['pre'])} | "
+                + " | ".join(fit_cell(fit[n], at[n]) for n in norms) + " | `pre` | "
+                + f"{'outside' if is_apart else 'within'} | {signed(paired[d, regime])} |") in table
+    dev = {(d, key, i): seed_mean([h - u for h, u in zip(m.get(   # mean of 3 seeds
+        f"attn_entropy_layer{i}", m["attn_entropy"]), m["log_positions"])] for m in ms[:3])
            for (d, key), ms in runs.items() for i in range(1, d + 1)}
     assert all(-min(v) <= (0.07 if d == 1 else 0.15) for (d, _, i), v in dev.items() if i == 1)
     focus = {k: max(-dev[(*k, i)][23] for i in range(2, k[0] + 1)) for k in runs if k[0] > 1}
-    spared = [focus.pop((d, "pre-final, " + sc)) for d in (2, 4)]   # P10's exception: not at 3
+    spared = [focus.pop((d, "pre-final, " + SC)) for d in (2, 4)]   # P10's exception: not at 3
     assert min(focus.values()) > 0.5 and max(spared) <= 0.08
     assert round(max(-min(v) for (d, _, i), v in dev.items() if i > 1 and d in (2, 4)), 1) == 3.4
     # Not at every length: sampled, pre-final below pre; exact, s = 31: post lowest at 1-3 layers
-    curve = lambda d, key, k=6: [mean(c) for c in zip(*[m["tvd"] for m in runs[d, key][:k]])]  # noqa
+    curve = lambda d, key, k=6: seed_mean(m["tvd"] for m in runs[d, key][:k])  # noqa: E731
     for d, k, below in ((1, 3, range(1, 20)), (2, 3, range(1, 15)), (4, 3, range(2, 21)),
                         (4, 6, [*range(2, 6), *range(15, 20)])):   # P8 on 3 seeds, P10 on 6
-        pre, final = (curve(d, f"{n}, {sc}", k) for n in ("pre", "pre-final"))
+        pre, final = (curve(d, f"{n}, {SC}", k) for n in ("pre", "pre-final"))
         assert [s for s in range(1, 32) if final[s - 1] < pre[s - 1]] == list(below)
-    assert all(min(norms, key=lambda n: curve(d, f"{n}, {ec}")[30]) == "post" for d in (1, 2, 3))
-    A, s31 = ats[4, sc], {n: [m["tvd"][30] for m in runs[1, f"{n}, {sc}"]] for n in norms}
+    assert all(min(norms, key=lambda n: curve(d, f"{n}, {EC}")[30]) == "post" for d in (1, 2, 3))
+    A, s31 = ats[4, SC], {n: [m["tvd"][30] for m in runs[1, f"{n}, {SC}"]] for n in norms}
     first = lambda k: B.mean_interval([a - b for a, b in zip(A["pre"][:k], A["pre-final"])])  # noqa
-    four = [", ".join(f"{mean(c[:12]):.4f} / {c[23]:.4f}{f' (`{n}`)' * (r == sc)}" for n in norms
-                      for c in [curve(4, f"{n}, {r}", 3)]) for r in (sc, ec)]   # P8: 3 seeds
-    post = sorted(mean(m["tvd"][:12]) for m in runs[4, "post, " + ec])   # two of six fail to fit
+    four = [", ".join(f"{mean(c[:12]):.4f} / {c[23]:.4f}{f' (`{n}`)' * (r == SC)}" for n in norms
+                      for c in [curve(4, f"{n}, {r}", 3)]) for r in (SC, EC)]   # P8: 3 seeds
+    post = sorted(mean(m["tvd"][:12]) for m in runs[4, "post, " + EC])   # two of six fail to fit
     seconds = [load(p)["wall_seconds"] for p in more]   # depth4's folders
-    t = lambda x: f"{x[0]:+.3f} ({x[1]:+.3f} to {x[2]:+.3f})".replace("-", "−")  # noqa: E731
+    t = lambda x: signed(x).replace("-", "−")  # noqa: E731
     ti = lambda x: "is " + t(x).replace(" (", ", 95 % t interval ").rstrip(")") + ", excluding 0"
+    walls = {d: records[d]["wall_seconds"] for d in records}
     assert_quoted([
         *(f"--out runs/depth{d}`: 30 runs, {walls[d] / 60:.0f} min" for d in (1, 2, 3)),
         f"--out runs/depth4`: 30 runs, {walls[4] / 3600:.1f} h", "noise in 7 of the 8 (the eighth",
         f"{four[0]} with sampled targets and a constant rate; {four[1]} with exact targets",
-        f"The 30 runs took {walls[4] / 3600:.1f} hours", "is " + t(paired[4, ec]),
+        f"The 30 runs took {walls[4] / 3600:.1f} hours", "is " + t(paired[4, EC]),
         f"by {min(ratios):.2f} to {max(ratios):.2f} times the next placement",
         f"{min(seconds):.0f} to {max(seconds):.0f} s of wall each",
         "(on the first three seeds it was " + t(first(3)).split("(")[1],
-        ti(first(5)), ti(paired[4, sc]), f"({max(A['pre'][:5]):.3f} against "
+        ti(first(5)), ti(paired[4, SC]), f"({max(A['pre'][:5]):.3f} against "
         f"{min(A['pre-final'][:5]):.3f}): outside by both rules", f"(`pre`'s seed 5, "
         f"{A['pre'][5]:.3f}, is above `pre-final`'s best, {min(A['pre-final']):.3f})",
         f"(`post`'s worst seed {max(s31['post']):.4f}, `pre-final`'s best "
-        f"{min(s31['pre-final']):.4f})", f"({mean(s31['post']):.4f} against {mean(s31['pre-final']):.4f})",
-        f"worst ({mean(curve(1, 'pre, ' + sc)[:12]):.4f} against "
-        f"{mean(curve(1, 'pre-final, ' + sc)[:12]):.4f};",
+        f"{min(s31['pre-final']):.4f})",
+        f"({mean(s31['post']):.4f} against {mean(s31['pre-final']):.4f})",
+        f"worst ({mean(curve(1, 'pre, ' + SC)[:12]):.4f} against "
+        f"{mean(curve(1, 'pre-final, ' + SC)[:12]):.4f};",
         "layers 2–4 focus, down to 3.4 nats below $\\log s$, except with `pre-final` and "
         "sampled targets, where every layer stays within 0.11 nats"])
     assert outside == 7 and len(seconds) == 6 and post[4] > 5 * post[3] and len(post) == 6
+    assert apart(A["pre"][:5], A["pre-final"][:5]) and apart(s31["post"], s31["pre-final"])
     at_rate, best = {}, {}   # seed 0 at every rate (depth.md's second table), from the JSON
-    for d, r in ((d, r) for d in (1, 2, 3, 4) for r in load(f"plots/depth{d}/compare.json")["runs"]):
-        if (c := r["config"])["seed"] == 0:
+    for d, record in records.items():
+        for r in runs_of(record["runs"], seed=0):
+            c, x = r["config"], r["ema"]["tvd"][23]
             at_rate.setdefault((d, f"{c['targets']}, {c['lr_schedule']}", c["lr"]), {})[
-                c["norm"]] = x = r["ema"]["tvd"][23]
-            best.setdefault((d, c["targets"]), {})[c["norm"]] = min(x, best.get(
-                (d, c["targets"]), {}).get(c["norm"], 1))
+                c["norm"]] = x
+            by_norm = best.setdefault((d, c["targets"]), {})
+            by_norm[c["norm"]] = min(x, by_norm.get(c["norm"], 1))
     lowest = Counter(min(t, key=t.get) for t in at_rate.values())
     oracle = [min(t, key=t.get) for t in best.values()]
-    assert len(at_rate) == 24 and oracle.count("pre") == 7 and best[1, "sampled"]["post"] < best[
-        1, "sampled"]["pre"] and "| 1 | sampled, constant | 0.001 | 0.2821 | 0.3235 | 0.1317 |" in table
-    assert_quoted([f"`pre` has the lowest TVD at 2 L in {lowest['pre']} of the 24 cases", f"`post` in "
-                   f"{lowest['post']} and `pre-final` in {lowest['pre-final']}", "`pre` is lowest in 7 of "
-                   "the 8", f"({best[1, 'sampled']['post']:.4f}) is below `pre`'s lowest "
-                   f"({best[1, 'sampled']['pre']:.4f}, at its chosen 0.00316)"])
-    assert max(A["pre"][:5]) < min(A["pre-final"][:5]) and max(s31["post"]) < min(s31["pre-final"])
+    assert len(at_rate) == 24 and oracle.count("pre") == 7
+    assert best[1, "sampled"]["post"] < best[1, "sampled"]["pre"]
+    assert "| 1 | sampled, constant | 0.001 | 0.2821 | 0.3235 | 0.1317 |" in table
+    assert_quoted([f"`pre` has the lowest TVD at 2 L in {lowest['pre']} of the 24 cases",
+                   f"`post` in {lowest['post']} and `pre-final` in {lowest['pre-final']}",
+                   "`pre` is lowest in 7 of the 8", f"({best[1, 'sampled']['post']:.4f}) is below "
+                   f"`pre`'s lowest ({best[1, 'sampled']['pre']:.4f}, at its chosen 0.00316)"])
     assert_quoted([f"`pre` is lowest at every depth in both regimes run, by {min(ratios):.2f} to "
-                   f"{max(ratios):.2f} times the next placement", f"outside seed noise in {outside} of 8 "
-                   "cases"], "README.md")
+                   f"{max(ratios):.2f} times the next placement",
+                   f"outside seed noise in {outside} of 8 cases"], "README.md")
 
 
 def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_path, monkeypatch):
@@ -1305,128 +1312,134 @@ def test_mlp_norm_table_and_notebook_section_10_match_the_ablations_json(tmp_pat
     arm, rows = {}, []
     for d, normed, path in [(d, n, p) for d in (1, 2) for n, p in (
             ("with", f"plots/depth{d}"), ("without", f"plots/mlp_norm/layers{d}"))]:
-        rec = load(path + "/compare.json")
-        for r in rec["runs"]:
-            key = "{norm}, {targets}, {lr_schedule}".format(**(c := r["config"]))
-            if c["norm"] == "pre" and c["lr"] == rec["chosen_lr"][key]:
-                arm.setdefault((d, key[5:], normed), []).append(r["ema"])
+        record = load(path + "/compare.json")
+        for r in runs_of(record["runs"], norm="pre"):
+            if r["config"]["lr"] == record["chosen_lr"][grid_key(r)]:
+                arm.setdefault((d, grid_key(r)[5:], normed), []).append(r["ema"])
     fit = {k: mean([mean(m["tvd"][:12]) for m in ms]) for k, ms in arm.items()}
     at = {k: [m["tvd"][23] for m in ms] for k, ms in arm.items()}
-    gs = {k: [mean([m["logit_gap"][s - 1] * s for m in ms]) for s in (12, 24)] for k, ms in arm.items()}
+    gap_s = lambda ms, s: mean([m["logit_gap"][s - 1] * s for m in ms])  # noqa: E731
+    gs = {k: [gap_s(ms, 12), gap_s(ms, 24)] for k, ms in arm.items()}
     rho = {k: g[1] / g[0] for k, g in gs.items()}
-    flat_s, ex = ([mean([m["logit_gap"][s - 1] * s for m in arm[(1, r, "without")]]) for s in range(1, 32)]
-                  for r in ("sampled, constant", "exact, cosine"))
-    flat_s = (min(flat_s), max(flat_s))
-    for d, r in itertools.product((1, 2), ("sampled, constant", "exact, cosine")):
+    flat_s, ex = ([gap_s(arm[1, r, "without"], s) for s in range(1, 32)] for r in (SC, EC))
+    for d, r in itertools.product((1, 2), (SC, EC)):
         w, wo = (d, r, "with"), (d, r, "without")
-        assert len(at[w]) == len(at[wo]) == 3 and max(at[w]) < min(at[wo])   # outside seed noise
-        rows += [f"| {d} | {r} | {'yes' if k[2] == 'with' else 'no'} | {fit[k]:.4f} / {mean(at[k]):.4f} "
-                 f"({min(at[k]):.3f} - {max(at[k]):.3f}) | outside" for k in (w, wo)]
-    worse = [k for k in fit if fit[k] > 2 * fit[(*k[:2], "with" if k[2] == "without" else "without")]]
-    one, two = (1, "sampled, constant"), (2, "exact, cosine")
-    assert worse == [(*two, "without")] and rho[(*one, "with")] > 1.25 and rho[(1, "exact, cosine", "with")] > 1.25
-    assert all(0.8 <= rho[(1, r, "without")] <= 1.25 for r in ("sampled, constant", "exact, cosine"))
+        assert len(at[w]) == len(at[wo]) == 3 and apart(at[w], at[wo])   # outside seed noise
+        rows += [f"| {d} | {r} | {'yes' if k == w else 'no'} | {fit_cell(fit[k], at[k])} | outside"
+                 for k in (w, wo)]
+    other = {"with": "without", "without": "with"}
+    worse = [k for k in fit if fit[k] > 2 * fit[(*k[:2], other[k[2]])]]
+    one, one_bare = (1, SC, "with"), (1, SC, "without")   # one layer, sampled, constant
+    two, two_bare = (2, EC, "with"), (2, EC, "without")   # two layers, exact, cosine
+    assert worse == [two_bare] and rho[one] > 1.25 and rho[1, EC, "with"] > 1.25
+    assert all(0.8 <= rho[1, r, "without"] <= 1.25 for r in (SC, EC))
+    assert f"{gs[one_bare][1]:.2f}" == f"{gs[one_bare][0]:.2f}"   # flat: 1/s
     assert_quoted(rows + [
-        f"(training TVD {fit[(*two, 'without')]:.4f} against {fit[(*two, 'with')]:.4f}, "
-        f"{fit[(*two, 'without')] / fit[(*two, 'with')]:.1f} times)",
-        f"{mean(at[(*one, 'without')]) / mean(at[(*one, 'with')]):.1f} times "
-        f"({mean(at[(*one, 'without')]):.4f})", f"(at one layer, sampled: {min(at[(*one, 'without')]):.3f} "
-        f"to {max(at[(*one, 'without')]):.3f} against {min(at[(*one, 'with')]):.3f} to "
-        f"{max(at[(*one, 'with')]):.3f})", f"exact targets {mean(at[(1, 'exact, cosine', 'without')]):.4f}",
-        "is flat with sampled targets ({:.2f} to {:.2f} over s = 1 to 31".format(*flat_s),
-        f"falls by {100 * (1 - ex[-1] / ex[0]):.0f} % ({ex[0]:.2f} at s = 1 to\n{ex[-1]:.2f} at s = 31)".replace("\n", " "),
-        f"{gs[(*one, 'with')][0] / 12:.2f} at\nL to "
-        f"{gs[(*one, 'with')][1] / 24:.2f} at 2 L".replace("\n", " "), f"is\nsqrt(24 / 8) / sqrt(12 / 20) = "
-        f"{math.sqrt(24 / 8) / math.sqrt(12 / 20):.2f}".replace("\n", " "),
-        *(f"10 runs, {load(f'plots/mlp_norm/layers{d}/compare.json')['wall_seconds']:.0f} s" for d in (1, 2))])
-    assert f"{gs[(*one, 'without')][1]:.2f}" == f"{gs[(*one, 'without')][0]:.2f}"   # flat: 1/s
-    assert_quoted([f"its TVD rises from {mean(at[(*one, 'with')]):.3f} to {mean(at[(*one, 'without')]):.3f} "
+        f"(training TVD {fit[two_bare]:.4f} against {fit[two]:.4f}, "
+        f"{fit[two_bare] / fit[two]:.1f} times)",
+        f"{mean(at[one_bare]) / mean(at[one]):.1f} times ({mean(at[one_bare]):.4f})",
+        f"(at one layer, sampled: {min(at[one_bare]):.3f} to {max(at[one_bare]):.3f} against "
+        f"{min(at[one]):.3f} to {max(at[one]):.3f})",
+        f"exact targets {mean(at[1, EC, 'without']):.4f}",
+        f"is flat with sampled targets ({min(flat_s):.2f} to {max(flat_s):.2f} over s = 1 to 31",
+        f"falls by {100 * (1 - ex[-1] / ex[0]):.0f} % ({ex[0]:.2f} at s = 1 to {ex[-1]:.2f} at "
+        "s = 31)", f"{gs[one][0] / 12:.2f} at L to {gs[one][1] / 24:.2f} at 2 L",
+        f"is sqrt(24 / 8) / sqrt(12 / 20) = {math.sqrt(24 / 8) / math.sqrt(12 / 20):.2f}",
+        *(f"10 runs, {load(f'plots/mlp_norm/layers{d}/compare.json')['wall_seconds']:.0f} s"
+          for d in (1, 2))])
+    assert_quoted([f"its TVD rises from {mean(at[one]):.3f} to {mean(at[one_bare]):.3f} "
                    "(sampled targets, constant rate)"], "README.md")
     q = {k: f"{v:.2f}" for k, v in rho.items()}
-    assert_quoted([f"{q[1, 'sampled, constant', 'with']} and {q[1, 'exact, cosine', 'with']} with the norm, "
-                   f"{q[1, 'sampled, constant', 'without']} and {q[1, 'exact, cosine', 'without']} without",
-                   f"({q[2, 'sampled, constant', 'with']}, {q[2, 'exact, cosine', 'with']}); without it "
-                   f"{q[2, 'sampled, constant', 'without']} with sampled targets",
-                   f"and {q[2, 'exact, cosine', 'without']} with exact targets"])
+    assert_quoted([f"{q[one]} and {q[1, EC, 'with']} with the norm, {q[one_bare]} and "
+                   f"{q[1, EC, 'without']} without", f"({q[2, SC, 'with']}, {q[two]}); without "
+                   f"it {q[2, SC, 'without']} with sampled targets",
+                   f"and {q[two_bare]} with exact targets"])
 
 
 SPLITS = {"v": "$v$", "L / v": "$L/v$", "heads": "heads", "lr": "learning rate", "batch": "batch",
           "steps": "steps"}   # search_losses' settings, as the notebook names them
 
 
+def search_record(folder, *drawn):
+    """plots/FOLDERsearch.json, its groups as search_configs(*drawn) draws them, runs by config."""
+    record = load(f"plots/{folder}search.json")
+    configs, groups = [B.config(r["config"]) for r in record["runs"]], B.search_configs(*drawn)
+    assert configs == [c for group in groups for c in group]
+    return record, groups, dict(zip(configs, record["runs"]))
+
+
+def paired(st, wins="post_wins", p=".2f", full=False):
+    """A search's result as the notebook words it: "W of N (p = ...; median ratio ..." (the
+    sentence goes on), or in full, with both tests and both 95 % intervals."""
+    if not full:
+        return (f"{st[wins]} of {st['n']} (p = {st['sign_p']:{p}}; median ratio "
+                f"{st['median_ratio']:.2f}")
+    return (f"{st[wins]} of {st['n']} (95 % interval {span(st['win_rate_95'], ' - ')}; sign test "
+            f"p = {st['sign_p']:{p}}, Wilcoxon p = {st['wilcoxon_p']:{p}}; median ratio "
+            f"{st['median_ratio']:.2f}, interval {span(st['median_ratio_95'], ' - ')})")
+
+
 def test_notebook_search_numbers_match_plots_search_json():
-    record = load("plots/search.json")
-    h, configs = record["summary"], [B.config(r["config"]) for r in record["runs"]]
-    assert len(record["runs"]) == 3 * B.SEARCH_N and h["pre-final"]["ema"]["all"]["n"] == B.SEARCH_N
+    record, groups, results = search_record("", B.SEARCH_N, 0)
+    h = record["summary"]
     P, Q, A = h["pre-final"]["ema"]["all"], h["pre-final"]["raw"]["all"], h["pre"]["ema"]["all"]
-    losses = B.search_losses([configs[3 * i:3 * i + 3] for i in range(B.SEARCH_N)],
-                             dict(zip(configs, record["runs"])))
     splits = ", ".join(f"{SPLITS[row[0]]} {row[2].split(' of ')[0]} | {row[3].split(' of ')[0]}"
-                       for row in (line.strip("| ").split(" | ") for line in losses[2:]))
+                       for row in (line.strip("| ").split(" | ")
+                                   for line in B.search_losses(groups, results)[2:]))
+    assert P["n"] == B.SEARCH_N
     assert_quoted([
-            f"`python plots/lab.py --search {B.SEARCH_N} --out runs/search`",
-            f"won {P['post_wins']} of {P['n']} (95 % interval {P['win_rate_95'][0]:.2f} - "
-            f"{P['win_rate_95'][1]:.2f}; sign test p = {P['sign_p']:.2f}, Wilcoxon p = "
-            f"{P['wilcoxon_p']:.2f}; median ratio {P['median_ratio']:.2f}, interval "
-            f"{P['median_ratio_95'][0]:.2f} - {P['median_ratio_95'][1]:.2f})",
-            f"to at most {100 * (P['median_ratio_95'][1] - 1):.1f} % in `post`'s favour and at most "
-            f"{100 * (1 - P['median_ratio_95'][0]):.0f} % against it",
-            f"With raw weights it won {Q['post_wins']} of {Q['n']} (p = {Q['sign_p']:.2f}; median "
-            f"ratio {Q['median_ratio']:.2f})",
-            f"than `pre` in {A['post_wins']} of {A['n']} configurations (median ratio "
-            f"{A['median_ratio']:.2f})",
-            splits.replace("$v$ 7 | 10", "$v$ 7 | 10 of 20", 1)])   # all six
+        f"`python plots/lab.py --search {B.SEARCH_N} --out runs/search`",
+        "won " + paired(P, full=True),
+        f"to at most {100 * (P['median_ratio_95'][1] - 1):.1f} % in `post`'s favour and at most "
+        f"{100 * (1 - P['median_ratio_95'][0]):.0f} % against it",
+        f"With raw weights it won {paired(Q)})",
+        f"than `pre` in {A['post_wins']} of {A['n']} configurations (median ratio "
+        f"{A['median_ratio']:.2f})",
+        splits.replace("$v$ 7 | 10", "$v$ 7 | 10 of 20", 1)])   # all six
 
 
 def test_notebook_and_readme_numbers_match_the_search_with_mlps():
     # P11 items 4-5: plots/search_mlp, 30 configurations x 4 arms, drawn as search_configs draws
-    record = load("plots/search_mlp/search.json")
-    configs = [B.config(r["config"]) for r in record["runs"]]
-    assert configs == [c for g in B.search_configs(30, 0, None, True) for c in g]
-    h, groups = record["summary"], [configs[4 * i:4 * i + 4] for i in range(30)]
-    results = {c: r for c, r in zip(configs, record["runs"])}
+    record, groups, results = search_record("search_mlp/", 30, 0, None, True)
+    h = record["summary"]
     P, S, N = (h[a]["ema"]["all"] for a in ("pre-final", "post", B.NO_LN2))
-    pairs = B.search_pairs(groups, results, B.NO_LN2, "ema")   # (log of TVD ratio, worse training TVD)
-    low = Counter(min(g, key=lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]) for g in groups)
-    low = Counter(B.arm(c) for c in low.elements())
-    f = lambda st: f"won {st['pre_wins']} of {st['n']}"  # noqa: E731
-    assert_quoted([f"{f(P)} (95 % interval {P['win_rate_95'][0]:.2f} - {P['win_rate_95'][1]:.2f}; sign test "
-                   f"p = {P['sign_p']:.2g}, Wilcoxon p = {P['wilcoxon_p']:.2g}; median ratio {P['median_ratio']:.2f}, "
-                   f"interval {P['median_ratio_95'][0]:.2f} - {P['median_ratio_95'][1]:.2f})",
-                   f"{f(S)} (p = {S['sign_p']:.2g}; median ratio {S['median_ratio']:.2f}",
-                   f"{f(N)} (p = {N['sign_p']:.2g}; median ratio {N['median_ratio']:.2f}",
-                   f"`pre` in {low['pre']}, `pre-final` in {low['pre-final']}, `post` in {low['post']}, "
-                   f"`pre, no MLP norm` in {low[B.NO_LN2]} of 30", f"{record['wall_seconds']:.0f} s of wall time",
-                   "`pre` against `pre-final`: below 0.05, {} of {} (p = {:.2f}; median ratio {:.2f}); below 0.1, {} of {} "
-                   "({:.2f}); below 0.2, {} of {} ({:.2f})".format(*sum(([g["pre_wins"], g["n"]] + [g["sign_p"]] * (
-                       t == 0.05) + [g["median_ratio"]] for t in (0.05, 0.1, 0.2) for g in [h["pre-final"]["ema"][
-                           f"train TVD < {t}"]]), [])),
-                   f"higher in {N['pre_wins']} of 30 configurations with EMA weights ({h[B.NO_LN2]['raw']['all']['pre_wins']}"
-                   f" of 30\nwith raw weights), by a median {100 * (N['median_ratio'] - 1):.0f} %".replace("\n", " "),
-                   f"in 3 the\ndifference is under 2 % and in 8 under 5 %, and in one the arm without the norm diverged\n"
-                   f"(training TVD {max(t for _, t in pairs):.3f})".replace("\n", " ")])
+    pairs = B.search_pairs(groups, results, B.NO_LN2, "ema")   # (log TVD ratio, worse train TVD)
+    low = Counter(B.arm(min(g, key=lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]))
+                  for g in groups)
+    sub = {t: h["pre-final"]["ema"][f"train TVD < {t}"] for t in (0.05, 0.1, 0.2)}
+    assert_quoted([
+        "won " + paired(P, "pre_wins", ".2g", full=True), "won " + paired(S, "pre_wins", ".2g"),
+        "won " + paired(N, "pre_wins", ".2g"),
+        f"`pre` in {low['pre']}, `pre-final` in {low['pre-final']}, `post` in {low['post']}, "
+        f"`pre, no MLP norm` in {low[B.NO_LN2]} of 30",
+        f"{record['wall_seconds']:.0f} s of wall time",
+        f"`pre` against `pre-final`: below 0.05, {paired(sub[0.05], 'pre_wins')}); " + "; ".join(
+            f"below {t}, {sub[t]['pre_wins']} of {sub[t]['n']} ({sub[t]['median_ratio']:.2f})"
+            for t in (0.1, 0.2)),
+        f"higher in {N['pre_wins']} of 30 configurations with EMA weights "
+        f"({h[B.NO_LN2]['raw']['all']['pre_wins']} of 30 with raw weights), by a median "
+        f"{100 * (N['median_ratio'] - 1):.0f} %",
+        "in 3 the difference is under 2 % and in 8 under 5 %, and in one the arm without the norm "
+        f"diverged (training TVD {max(t for _, t in pairs):.3f})"])
     assert [sum(math.exp(x) < c for x, _ in pairs) for c in (1.02, 1.05)] == [3, 8]
-    assert N["pre_wins"] == N["n"] == 30 and P["sign_p"] > 0.05 < S["sign_p"]   # none detectably best
+    assert N["pre_wins"] == N["n"] == 30
+    assert P["sign_p"] > 0.05 < S["sign_p"]   # none detectably best
     p = "{:.0e}".format(N["sign_p"]).replace("e-0", "e-")   # 2e-9
-    assert_quoted([f"(`pre` beats `pre-final` in {P['pre_wins']} of 30), but `pre` beats `pre` without "
-                   f"the norm before its MLP in every configuration", f"(sign test p = {p})"], "README.md")
+    assert_quoted([f"(`pre` beats `pre-final` in {P['pre_wins']} of 30), but `pre` beats `pre` "
+                   "without the norm before its MLP in every configuration",
+                   f"(sign test p = {p})"], "README.md")
 
 
 def test_notebook_tuned_search_numbers_match_plots_search_tuned():
     # Lab notebook, section 5: 24 configurations, each arm at each of 3 rates (every run kept),
     # each arm at its rate with the lowest training-length TVD; the README quotes the endpoint.
-    record = load("plots/search_tuned/search.json")
-    P, Q = (record["summary"]["pre-final"][avg]["all"] for avg in ("ema", "raw"))
     lrs = (0.001, 0.00316, 0.01)
-    configs = [[B.config(r["config"]) for r in record["runs"][6 * i:6 * i + 6]]
-               for i in range(24)]
-    assert [c for group in configs for c in group] == [
-        c for group in B.search_configs(24, 1000, lrs) for c in group]   # every run is there
-    results = {B.config(r["config"]): r for r in record["runs"]}
+    record, configs, results = search_record("search_tuned/", 24, 1000, lrs)
+    P, Q = (record["summary"]["pre-final"][avg]["all"] for avg in ("ema", "raw"))
     best = [B.search_arms(group, results) for group in configs]
     chosen = Counter((arm, c.lr) for b in best for arm, (c, _) in b.items())
-    train = lambda arm, b: R.summarize(b[arm][1]["ema"], b[arm][0].train_len)["tvd_train"]  # noqa
-    worse = sum(train("post", b) > train("pre-final", b) for b in best)
+    train = lambda c: R.summarize(results[c]["ema"], c.train_len)["tvd_train"]  # noqa: E731
+    worse = sum(train(b["post"][0]) > train(b["pre-final"][0]) for b in best)
     at_2l = lambda c: results[c]["ema"]["tvd"][2 * c.train_len - 1]  # noqa: E731
     pairs = lambda lr: [(pf, po) for group in configs for pf in group for po in group  # noqa
                         if pf.lr == po.lr == lr and (pf.norm, po.norm) == ("pre-final", "post")]
@@ -1435,33 +1448,32 @@ def test_notebook_tuned_search_numbers_match_plots_search_tuned():
     best_at_2l = Counter(min((c for c in group if c.norm == "post"), key=at_2l).lr
                          for group in configs)
     splits = [line.strip("| ").split(" | ") for line in B.search_losses(configs, results)[2:]]
-    fit = [R.summarize(results[po]["ema"], po.train_len)["tvd_train"]
-           / R.summarize(results[pf]["ema"], pf.train_len)["tvd_train"] for pf, po in pairs(0.001)]
+    fit = sorted(train(po) / train(pf) for pf, po in pairs(0.001))
     assert_quoted([
-            "`python plots/lab.py --search 24 --lrs 0.001,0.00316,0.01 --seed 1000 --out "
-            "runs/search_tuned`",
-            f"144 runs, {record['wall_seconds'] / 3600:.1f} h (interrupted and resumed with `--resume`)",
-            f"at 0.001 `post` is lower in {shared[0]['post_wins']} of 24 but also fits the training "
-            f"lengths worse in {sum(r > 1 for r in fit)} of 24 (median training-TVD ratio "
-            f"{sorted(fit)[11] / 2 + sorted(fit)[12] / 2:.2f}); at 0.01 it is lower in "
-            f"{shared[2]['post_wins']} of 24 (median ratio {shared[2]['median_ratio']:.2f})",
-            f"`pre-final` in {P['post_wins']} of 24 (95 % Wilson interval "
-            f"{P['win_rate_95'][0]:.2f}\u2013{P['win_rate_95'][1]:.2f}); sign test $p = "
-            f"{P['sign_p']:.2f}$, Wilcoxon $p = {P['wilcoxon_p']:.2f}$; median ratio `pre-final` / "
-            f"`post` {P['median_ratio']:.2f} (95 % bootstrap interval "
-            f"{P['median_ratio_95'][0]:.2f}\u2013{P['median_ratio_95'][1]:.2f})",
-            f"below in {Q['post_wins']} of 24 (sign test $p = {Q['sign_p']:.2g}$, Wilcoxon $p = "
-            f"{Q['wilcoxon_p']:.2g}$, median ratio {Q['median_ratio']:.2f}, interval "
-            f"{Q['median_ratio_95'][0]:.2f}\u2013{Q['median_ratio_95'][1]:.2f})",
-            f"worse in {worse} of 24", f"(`pre-final` 0.001 in {chosen['pre-final', 0.001]} of 24, "
-            f"`post` 0.01 in {chosen['post', 0.01]})",
-            f"`post` is below `pre-final` at $2L$ in {shared[0]['post_wins']} of 24 at 0.001 "
-            f"(median ratio {shared[0]['median_ratio']:.2f}), {shared[1]['post_wins']} of 24 at 0.00316 "
-            f"({shared[1]['median_ratio']:.2f}) and {shared[2]['post_wins']} of 24 at 0.01 "
-            f"({shared[2]['median_ratio']:.2f}), and `post`'s rate with the lowest TVD at $2L$ is "
-            f"0.001 in {best_at_2l[0.001]} of 24",
-            ", ".join(f"{SPLITS[name]} {low} | {high}" for name, _, low, high in splits
-                      if name != "lr")])   # the rows: v, L / v, heads, lr, batch, steps
+        "`python plots/lab.py --search 24 --lrs 0.001,0.00316,0.01 --seed 1000 --out "
+        "runs/search_tuned`",
+        f"144 runs, {record['wall_seconds'] / 3600:.1f} h (interrupted and resumed with "
+        "`--resume`)",
+        f"at 0.001 `post` is lower in {shared[0]['post_wins']} of 24 but also fits the training "
+        f"lengths worse in {sum(r > 1 for r in fit)} of 24 (median training-TVD ratio "
+        f"{fit[11] / 2 + fit[12] / 2:.2f}); at 0.01 it is lower in "
+        f"{shared[2]['post_wins']} of 24 (median ratio {shared[2]['median_ratio']:.2f})",
+        f"`pre-final` in {P['post_wins']} of 24 (95 % Wilson interval {span(P['win_rate_95'])}); "
+        f"sign test $p = {P['sign_p']:.2f}$, Wilcoxon $p = {P['wilcoxon_p']:.2f}$; median ratio "
+        f"`pre-final` / `post` {P['median_ratio']:.2f} (95 % bootstrap interval "
+        f"{span(P['median_ratio_95'])})",
+        f"below in {Q['post_wins']} of 24 (sign test $p = {Q['sign_p']:.2g}$, Wilcoxon $p = "
+        f"{Q['wilcoxon_p']:.2g}$, median ratio {Q['median_ratio']:.2f}, interval "
+        f"{span(Q['median_ratio_95'])})",
+        f"worse in {worse} of 24", f"(`pre-final` 0.001 in {chosen['pre-final', 0.001]} of 24, "
+        f"`post` 0.01 in {chosen['post', 0.01]})",
+        f"`post` is below `pre-final` at $2L$ in {shared[0]['post_wins']} of 24 at 0.001 "
+        f"(median ratio {shared[0]['median_ratio']:.2f}), {shared[1]['post_wins']} of 24 at "
+        f"0.00316 ({shared[1]['median_ratio']:.2f}) and {shared[2]['post_wins']} of 24 at 0.01 "
+        f"({shared[2]['median_ratio']:.2f}), and `post`'s rate with the lowest TVD at $2L$ is "
+        f"0.001 in {best_at_2l[0.001]} of 24",
+        ", ".join(f"{SPLITS[name]} {low} | {high}" for name, _, low, high in splits
+                  if name != "lr")])   # the rows: v, L / v, heads, lr, batch, steps
     assert chosen["post", 0.01] > max(chosen["post", 0.001], chosen["post", 0.00316])
     assert [row[3] for row in splits if row[0] == "lr"] == ["-"]   # "it splits nothing"
 
