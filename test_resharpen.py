@@ -1370,7 +1370,8 @@ BAD_INPUT = [   # argv, and after " | " the flag its one line names where that i
     "--save SAVE", "--save SAVE/o --out SAVE/o", "--save SAVE/new/metrics.json",
     "--save SAVE/o/length.png --out SAVE/o", f"--out SAVE/{'x' * 300}", "--out ''",
     "--save SAVE/compare.json", "--save SAVE/o.pt --out SAVE/o.pt",
-    "--save SAVE/o.pt --out SAVE/o.pt/x", "--handout --out '' | --out", "--handout --steps 5 | --steps",
+    "--save SAVE/o.pt --out SAVE/o.pt/x", "--handout --out '' | --out",
+    "--handout --steps 5 | --steps",
     "--seed 4294967295 | must be in 0 .. 4294967291, got", "--ema 2 | must be in 0 .. 0.999999,",
     "--seed -1", f"--seed {2**64}", "--n-layer 100000", "--batch-size 10000000",
     # the memory estimate: the model's, exact targets' tensors

@@ -1169,16 +1169,18 @@ def test_every_command_in_the_documents_is_accepted_by_its_program(tmp_path, mon
             check(parser.parse_args(argv), parser)
 
 
-def test_theory_md_names_the_file_of_each_lab_flag_name_and_test_it_cites():
+@pytest.mark.parametrize("doc", ["theory.md", "README.md"])
+def test_theory_md_names_the_file_of_each_lab_flag_name_and_test_it_cites(doc):
     # A flag or name only the lab has is called the lab's, or plots/lab.py's, within its sentence;
     # every flag is one of a program's; every test is where the claims table says (†: the lab's).
-    text = " ".join(read("theory.md").split())
+    # (The notebook, plots/README.md, is the lab's; its commands are checked above.)
+    text = " ".join(read(doc).split())
     ours, labs = {f[0] for f in R.FLAGS}, {f[0] for f in B.FLAGS}
     for m in re.finditer(r"`(--[a-z-]+)", text):
         assert m.group(1) in ours | labs, m.group(1)
         if m.group(1) not in ours:
             assert "lab" in text[max(0, m.start() - 60):m.end() + 60], text[m.start() - 60:m.end()]
-    for m in re.finditer(r"`([A-Za-z_]\w*)[(.`]", text):
+    for m in re.finditer(r"`([A-Za-z_]\w*)(?=[(`]|\.[a-z_]\w*[(`])(?!\.(md|py|json)`)", text):
         if hasattr(B, m.group(1)) and not hasattr(R, m.group(1)):
             assert "lab" in text[max(0, m.start() - 60):m.end() + 60], text[m.start() - 60:m.end()]
     for name, mark in re.findall(r"`(test_\w+)`(†?)", text):
