@@ -1336,6 +1336,8 @@ def test_main_writes_metrics_figures_and_a_checkpoint_into_a_new_folder(tmp_path
     bad = lambda x: pytest.fail(f"non-strict JSON constant {x}")  # noqa: E731
     m = json.loads((out / "metrics.json").read_text(encoding="utf-8"), parse_constant=bad)
     assert m["length"] == list(range(1, 8)) and m["config"]["norm"] == "post"
+    assert m["summary"] == pytest.approx(dict(tvd_train=mean(m["tvd"][:3]), tvd_last=m["tvd"][6],
+                                              tvd_extrap=mean(m["tvd"][3:])))   # s = 4 .. 7
     for key in ("tvd", "invalid_mass", "kl", "attn_entropy", "logit_gap"):
         assert len(m[key]) == 7 and len(m["raw"][key]) == 7
     assert R.load_checkpoint(str(out / "ck.pt")).cfg == R.Config(**m["config"])
