@@ -390,12 +390,13 @@ def hand_built(vocab, norm, gamma=1.0):
 # ========================================================= Part 2: a single run, and its command line
 
 # ----------------------------------------------------------------------------- files
-def write_file(path, write):
-    """write(tmp), then rename tmp (same folder) to path: nobody ever sees half a file."""
+def write_file(path, write, new=False):
+    """write(tmp), then rename tmp (same folder) to path: nobody ever sees half a file. new: link
+    tmp to path instead, which fails (FileExistsError) if path exists: never replaced."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         write(tmp)
-        os.replace(tmp, path)
+        os.link(tmp, path) if new else os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -419,7 +420,7 @@ def save_checkpoint(path, model, averager, cfg):
     ckpt = {"config": asdict(cfg), "model": model.state_dict()}
     if averager:
         ckpt["ema"] = [a.cpu() for a in averager.averaged()]
-    write_file(path, lambda f: torch.save(ckpt, f))
+    write_file(path, lambda f: torch.save(ckpt, f), new=True)
 
 
 def load_checkpoint(path, raw=False, device="cpu"):
@@ -557,10 +558,12 @@ def run_one(cfg, out, save=None):
     written = write_outputs(out, {"length.png": plot_length(metrics, cfg, raw, average),
                                   "loss.png": plot_loss(losses, task.loss_floor()),
                                   "metrics.json": record})
-    if save:
-        save_checkpoint(save, model, averages[0] if averages else None, cfg)
-        written.append(save)
-    print(f"wrote {', '.join(written)} | {time.time() - t0:.1f}s")
+    try:
+        save and save_checkpoint(save, model, averages[0] if averages else None, cfg)
+    except FileExistsError:   # another run, started with the same --save, wrote it first
+        sys.exit(f"resharpen.py: --save {save}: another run wrote it first; wrote "
+                 f"{', '.join(written)}")
+    print(f"wrote {', '.join(written + [save] * bool(save))} | {time.time() - t0:.1f}s")
 
 
 # ------------------------------------------------------- the hand-out (starter.py leaves it out)
@@ -748,7 +751,7 @@ def check_args(args, parser):
     check_model([cfg], 1, bad)
     if cfg.train_len > cfg.vocab - 1:
         bad(f"--train-len must be at most {cfg.vocab - 1} (v - 1), got {cfg.train_len}")
-    save, out = os.path.abspath(args.save or "."), os.path.abspath(args.out or "runs")
+    save, out = os.path.realpath(args.save or "."), os.path.realpath(args.out or "runs")
     if args.save is not None and (not args.save.endswith(".pt") or os.path.lexists(args.save) or
                                   os.path.commonpath([save, out]) == save):   # --out in it
         bad(f"--save {args.save!r}: a new file name ending in .pt for the checkpoint, such as "

@@ -193,8 +193,8 @@ def grid_workers(runs, device):
     return min(cores or 1, len(runs)) if device == "cpu" else 1
 
 
-def config(record):   # a Config from JSON (records older than Config.bema's removal hold "bema")
-    return Config(**{k: v for k, v in record.items() if k != "bema"})
+def config(record, build=Config):   # from JSON (records older than Config.bema's hold "bema")
+    return build(**{k: v for k, v in record.items() if k != "bema"})
 
 
 @dataclass
@@ -220,6 +220,60 @@ class RunsFile:
                                 **result}) + "\n")
 
 
+def check_runs_file(path, runs, device, mode, resume, bad):
+    """A grid keeps the runs an interrupted command left in path only with --resume, and only
+    if each line is a run of this grid: a runs file is never overwritten or lost unnoticed."""
+    todo, planned = "rerun the command that wrote it, with --resume, or remove the file", set(runs)
+    try:
+        text = Path(path).read_bytes().decode("utf-8") if os.path.exists(path) else ""
+    except UnicodeDecodeError:
+        bad(f"{path}: not UTF-8 text (an editor re-saved it, or it is no runs file): save it as "
+            "UTF-8 or remove it")
+    lines = text.split("\n")[:-1]   # a last line without its newline was cut short by a kill
+    if lines and not resume:
+        bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
+    if resume and not lines:   # a finished grid removes its runs file
+        print(f"--resume: no finished run in {path}, so every run trains now")
+    keys = {"config", "device", "seconds", "raw", "ema", *["bema"] * (mode in ("compare", "suite"))}
+    for i, line in enumerate(lines, 1):
+        if why := runs_line_problem(line, keys, planned, device):
+            bad(f"{path}, line {i}: not a run of this command ({why}) ({len(lines)} line(s) in "
+                f"the file): {todo}")
+
+
+def runs_line_problem(line, keys, planned, device):
+    """Why a line of a runs file is not one of the planned runs on this device; None if it is."""
+    if not line.strip() or line.startswith("\ufeff"):
+        return "it is blank" if not line.strip() else "it starts with a byte-order mark"
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(r, dict) or (missing := sorted(keys - set(r))):
+        return f"no key {missing[0]!r}" if isinstance(r, dict) else "not a JSON object"
+    kinds = {k: (int, float) if type(v) is float else type(v) for k, v in asdict(Config()).items()}
+    c = isinstance(r["config"], dict) and config(r["config"], dict)
+    if not (isinstance(c, dict) and set(c) <= set(kinds) and isinstance(r["seconds"], (int, float))
+            and all(isinstance(v, kinds[k]) for k, v in c.items())):
+        return "a value of the wrong kind in its config or seconds"
+    if not 0 <= r["seconds"] < math.inf:
+        return f"its seconds {r['seconds']}, not a number of seconds"
+    c = Config(**c)   # what differs from the nearest run of this command:
+    why = min(([f"{k} {getattr(c, k)!r}" for k in kinds if getattr(c, k) != getattr(p, k)]
+               for p in planned), key=len) + [f"run on {r['device']}"] * (r["device"] != device)
+    if why:
+        return "its " + ", ".join(why)
+    n = len(make_task(c).eval_inputs(1)[0])   # every length and every metric evaluate() writes
+    want = {"length", "tvd", "invalid_mass", "kl", "logit_gap", "attn_entropy", "log_positions",
+            *[f"attn_entropy_layer{i}" for i in range(1, c.n_layer + 1) if c.n_layer > 1]}
+    top = {"tvd": 1 + 1e-9, "invalid_mass": 1 + 1e-9}   # masses; the rest within +-1e4
+    if not all(isinstance(m := r[a], dict) and set(m) == want and all(
+            isinstance(xs, list) and len(xs) == n and all(type(x) in (int, float) and -1e4 * (
+                k not in top) <= x <= top.get(k, 1e4) for x in xs)
+            for k, xs in m.items()) for a in keys - {"config", "device", "seconds"}):
+        return f"a metric that is not {n} numbers in its range (a TVD in 0 .. 1, the rest +-1e4)"
+
+
 def run_grid(runs, device, averages=("ema", "bema"), later=0, runs_file=None):
     """Train and evaluate the runs, one per core, printing a line each (its ETA counts `later` runs
     too); append each to runs_file, skip those there. Returns (results in order, wall, workers)."""
@@ -234,10 +288,14 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0, runs_file=None):
     try:
         if workers > 1:
             import multiprocessing
-            # The workers start with Ctrl-C ignored (inherited): this process stops them.
-            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            from multiprocessing import resource_tracker
+            # The workers start with Ctrl-C blocked (inherited): this process stops them. A Ctrl-C
+            # while they start waits until they have, then stops the grid (POSIX; not Windows).
+            block = getattr(signal, "pthread_sigmask", lambda *a: set())
+            resource_tracker.ensure_running()   # its first start unblocks Ctrl-C: start it now
+            mask = block(signal.SIG_BLOCK, {signal.SIGINT})
             pool = multiprocessing.get_context("spawn").Pool(workers)
-            signal.signal(signal.SIGINT, old_handler)
+            block(signal.SIG_SETMASK, mask)
             results = pool.imap_unordered(functools.partial(
                 train_and_evaluate, averages=averages, threads=1), todo)
         else:
@@ -895,6 +953,7 @@ def check_tables(root, out, bad):
             "folders depth1, depth2, ..., as plots/ does)")
     ablations = sorted(Path(root).glob("mlp_norm/layers*/compare.json"))
     pairs = ablations + [Path(root, f"depth{p.parent.name[6:]}", "compare.json") for p in ablations]
+    norms = set()
     for p in depths + pairs:
         try:
             rec = json.loads(p.read_text("utf-8"))
@@ -904,6 +963,10 @@ def check_tables(root, out, bad):
             bad(f"--tables {root}: {p} is not a record of python plots/lab.py --compare")
         if p in pairs and "chosen_lr" not in rec:
             bad(f"--tables {root}: {p} is a grid without --lrs; mlp_norm.md compares chosen rates")
+        norms |= {n for ns in rec["summary"].values() for n in ns} if p in depths else set()
+    if len(norms) < 2:
+        bad(f"--tables {root}: its depth grids hold one placement ({', '.join(norms)}); depth.md "
+            "compares two or more")
     if os.path.isfile(os.path.join(out or "runs", "mlp_norm")):
         bad(f"--out {out}: mlp_norm there is a file, where --tables writes a folder")
 
@@ -979,13 +1042,16 @@ def mlp_norm_table(root, out=None):
                 regime = f"{c.targets}, {c.lr_schedule}"
                 if c.norm == "pre" and rec["chosen_lr"][f"pre, {regime}"] == c.lr:
                     group.setdefault((c.n_layer, regime, normed), []).append((m, c.train_len))
-    if not group:
+    other = lambda k: (*k[:2], "no" if k[2] == "yes" else "yes")  # noqa: E731  the other arm
+    if left := sorted({f"{k[0]} layer(s), {k[1]}" for k in group if other(k) not in group}):
+        print(f"mlp_norm_table: one arm only in {'; '.join(left)}: left out")
+    if not (group := {k: ms for k, ms in group.items() if other(k) in group}):
         return
     at = {k: [m["tvd"][2 * L - 1] for m, L in ms] for k, ms in group.items()}
     fit = {k: mean([summarize(m, L)["tvd_train"] for m, L in ms]) for k, ms in group.items()}
     rows = []
     for k in sorted(group, key=lambda k: (k[0], k[1][0] == "e", k[2] == "no")):  # sampled first
-        ms, L, o = group[k], group[k][0][1], (*k[:2], "no" if k[2] == "yes" else "yes")
+        ms, L, o = group[k], group[k][0][1], other(k)
         gs = [mean([m["logit_gap"][s - 1] * s for m, _ in ms]) for s in (L, 2 * L)]
         rows.append([*k, f"{fit[k]:.4f} / {mean(at[k]):.4f} ({min(at[k]):.3f} - {max(at[k]):.3f})",
                      ("outside" if max(at[k]) < min(at[o]) or min(at[k]) > max(at[o]) else "within")
@@ -1103,57 +1169,6 @@ def check_args(args, parser):
         path = os.path.join(os.path.abspath(args.out or "runs"), f"{mode}.runs.jsonl")
         check_runs_file(path, runs, device, mode, args.resume, bad)
     return mode, cfg, suite_flags
-
-
-def check_runs_file(path, runs, device, mode, resume, bad):
-    """A grid keeps the runs an interrupted command left in path only with --resume, and only
-    if each line is a run of this grid: a runs file is never overwritten or lost unnoticed."""
-    todo, planned = "rerun the command that wrote it, with --resume, or remove the file", set(runs)
-    try:
-        text = Path(path).read_bytes().decode("utf-8") if os.path.exists(path) else ""
-    except UnicodeDecodeError:
-        bad(f"{path}: not UTF-8 text (an editor re-saved it, or it is no runs file): save it as "
-            "UTF-8 or remove it")
-    lines = text.split("\n")[:-1]   # a last line without its newline was cut short by a kill
-    if lines and not resume:
-        bad(f"{path} holds {len(lines)} finished run(s) of an earlier command: {todo}")
-    if resume and not lines:   # a finished grid removes its runs file
-        print(f"--resume: no finished run in {path}, so every run trains now")
-    keys = {"config", "device", "seconds", "raw", "ema", *["bema"] * (mode in ("compare", "suite"))}
-    for i, line in enumerate(lines, 1):
-        if why := runs_line_problem(line, keys, planned, device):
-            bad(f"{path}, line {i}: not a run of this command ({why}) ({len(lines)} line(s) in "
-                f"the file): {todo}")
-
-
-def runs_line_problem(line, keys, planned, device):
-    """Why a line of a runs file is not one of the planned runs on this device; None if it is."""
-    if not line.strip() or line.startswith("\ufeff"):
-        return "it is blank" if not line.strip() else "it starts with a byte-order mark"
-    try:
-        r = json.loads(line)
-    except ValueError:
-        return "not JSON"
-    if not isinstance(r, dict) or (missing := sorted(keys - set(r))):
-        return f"no key {missing[0]!r}" if isinstance(r, dict) else "not a JSON object"
-    kinds = {k: (int, float) if type(v) is float else type(v) for k, v in asdict(Config()).items()}
-    c = isinstance(r["config"], dict) and {k: v for k, v in r["config"].items() if k != "bema"}
-    if not (isinstance(c, dict) and set(c) <= set(kinds) and isinstance(r["seconds"], (int, float))
-            and all(isinstance(v, kinds[k]) for k, v in c.items())):
-        return "a value of the wrong kind in its config or seconds"
-    c = Config(**c)   # what differs from the nearest run of this command:
-    why = min(([f"{k} {getattr(c, k)!r}" for k in kinds if getattr(c, k) != getattr(p, k)]
-               for p in planned), key=len) + [f"run on {r['device']}"] * (r["device"] != device)
-    if why:
-        return "its " + ", ".join(why)
-    n = len(make_task(c).eval_inputs(1)[0])   # every length and every metric evaluate() writes
-    want = {"length", "tvd", "invalid_mass", "kl", "logit_gap", "attn_entropy", "log_positions",
-            *[f"attn_entropy_layer{i}" for i in range(1, c.n_layer + 1) if c.n_layer > 1]}
-    if not all(isinstance(m := r[a], dict) and set(m) == want and all(
-            isinstance(xs, list) and len(xs) == n and all(type(x) in (int, float) and
-                                                         math.isfinite(x) for x in xs)
-            for xs in m.values()) for a in keys - {"config", "device", "seconds"}):
-        return f"a metric that is not {n} finite numbers"
 
 
 def main(argv=None):

@@ -398,14 +398,14 @@ def test_bos_sink_balance_at_lengths_1_and_2_gives_the_margin_m1_eb1_over_eb_s(b
     assert N[-1].abs().max() > 1e-3 and (N[-1] - N[-2] * (e + 1) / (e + 2)).abs().max() < 1e-9
     z = N @ torch.randn(N.shape[1], generator=torch.Generator().manual_seed(0), dtype=DT)
     z = z / z[-2]                                                         # m_1 = 1
-    B, D, D0 = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[2 * v * v: 2 * v * v + v]
+    Bias, D, D0 = z[: v * v].view(v, v), z[v * v: 2 * v * v].view(v, v), z[2 * v * v: 2 * v * v + v]
     d = (D + (e + 1) * eye) @ P                                           # delta' = e^b + 1
     assert (d - d[0]).abs().max() < 1e-9                                  # common row
     assert ((D0 @ P) - d[0]).abs().max() < 1e-9                           # D_0 == d
-    assert ((B @ P) + d[0]).abs().max() < 1e-9                            # B == -d
+    assert ((Bias @ P) + d[0]).abs().max() < 1e-9                         # B == -d
     for s in range(1, v):
         t = list(range(s))
-        f = B[t[-1]] + e / (e + s) * D0 + D[t].sum(0) / (e + s)
+        f = Bias[t[-1]] + e / (e + s) * D0 + D[t].sum(0) / (e + s)
         assert balanced_margin(f, t, tol=1e-9) == pytest.approx((e + 1) / (e + s), rel=1e-9)
 
 
@@ -547,27 +547,33 @@ def test_every_grid_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert text.isascii() and capsys.readouterr().out.isascii()
 
 
-def test_the_pool_workers_start_with_ctrl_c_ignored(monkeypatch, capsys):
-    # Ctrl-C goes to the parent alone, which stops the workers: none prints a traceback.
+def test_the_pool_workers_start_with_ctrl_c_blocked_and_one_while_they_start_stops_the_grid(
+        monkeypatch, capsys):
+    # Ctrl-C goes to the parent alone, which stops the workers: none prints a traceback. A Ctrl-C
+    # while they start is kept until they have, then stops the grid before any run.
     seen = []
 
     class Pool:
         def __init__(self, workers):
-            seen.append(signal.getsignal(signal.SIGINT))
+            seen.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+            os.kill(os.getpid(), signal.SIGINT)   # pending: blocked
 
         def imap_unordered(self, job, runs):
-            raise KeyboardInterrupt
+            seen.append("trained")
 
         def terminate(self):
             seen.append("terminated")
     monkeypatch.setattr(multiprocessing, "get_context", lambda kind: type("C", (), {
         "Pool": staticmethod(Pool)}))
     monkeypatch.setattr(B, "grid_workers", lambda runs, device: 2)
-    before = signal.getsignal(signal.SIGINT)   # Python's handler, or SIG_IGN in a background job
-    with pytest.raises(KeyboardInterrupt):
-        B.run_grid([R.Config(), B.replace(R.Config(), seed=1)], "cpu")
-    assert seen == [signal.SIG_IGN, "terminated"]
-    assert signal.getsignal(signal.SIGINT) is before
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)   # a background job: ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            B.run_grid([R.Config(), B.replace(R.Config(), seed=1)], "cpu")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [True, "terminated"]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 def test_a_grid_counts_the_runs_it_trains_at_once(monkeypatch, capsys, tmp_path):
@@ -602,10 +608,13 @@ def test_a_runs_file_the_grid_would_not_keep_whole_stops_it_before_training(tmp_
         without(run, "bema"), {**run, "device": "cuda"})] + [
         ("", "(it is blank)"), ("\ufeff" + json.dumps(run), "byte-order mark"),
         ({**run, "seconds": "3"}, "wrong kind"), (without(run, "raw"), "(no key 'raw')")] + [
-        (x, "(a metric that is not 31 finite numbers)") for x in (
+        (x, "(a metric that is not 31 numbers in its range") for x in (
             {**run, "ema": {**m, "tvd": m["tvd"][1:]}}, {**run, "raw": {**m, "kl": None}},
             {**run, "bema": {**m, "tvd": ["0.1"] * 31}}, {**run, "ema": {**m, "gap": m["tvd"]}},
-            {**run, "raw": without(m, "logit_gap")}, {**run, "ema": {**m, "kl": [math.nan] * 31}})]
+            {**run, "raw": without(m, "logit_gap")}, {**run, "ema": {**m, "kl": [math.nan] * 31}},
+            {**run, "ema": {**m, "logit_gap": [1e300] * 31}}, {**run, "raw": {**m, "tvd": [5] * 31}},
+            {**run, "bema": {**m, "kl": [math.inf] * 31}})] + [
+        ({**run, "seconds": x}, "not a number of seconds") for x in (math.nan, math.inf, -1.0)]
     for lines, flags, said in [([run], [], "holds 1 finished run(s)"),
                                ([run], [*resume, "--steps", "3"], "(its steps 2)"),
                                ([run], [*resume, "--device", "auto"], "(its device 'cpu')"),
@@ -758,6 +767,26 @@ def test_tables_refuses_a_root_or_out_it_cannot_use_before_writing(tmp_path, cap
     (out / "mlp_norm").write_text("my notes", encoding="utf-8")
     expect_exit_2(["--tables", str(root), "--out", str(out)], "mlp_norm there is a file", capsys)
     assert os.listdir(out) == ["mlp_norm"]
+    one = tmp_path / "one" / "depth4" / "seeds345-pre"   # the notebook's extra seeds of one placement
+    one.mkdir(parents=True)
+    (one / "compare.json").write_text(read("plots/depth4/seeds345-pre/compare.json"), "utf-8")
+    expect_exit_2(["--tables", str(one.parent.parent)], "hold one placement (pre)", capsys)
+
+
+def test_mlp_norm_table_leaves_out_a_regime_with_one_arm_in_one_line(tmp_path, capsys):
+    # The ablation in one regime, the arm with the norm in two: one table row pair, one line.
+    (tmp_path / "depth1").mkdir()
+    (tmp_path / "depth1" / "compare.json").write_text(read("plots/depth1/compare.json"), "utf-8")
+    ablation = load("plots/mlp_norm/layers1/compare.json")
+    ablation["runs"] = [r for r in ablation["runs"] if r["config"]["targets"] == "sampled"]
+    os.makedirs(tmp_path / "mlp_norm" / "layers1")
+    (tmp_path / "mlp_norm" / "layers1" / "compare.json").write_text(json.dumps(ablation), "utf-8")
+    B.mlp_norm_table(str(tmp_path))
+    said = capsys.readouterr().out
+    assert "mlp_norm_table: one arm only in 1 layer(s), exact, cosine: left out" in said
+    rows = [r for r in read(tmp_path / "mlp_norm" / "mlp_norm.md").split("\n") if r[:4] == "| 1 "]
+    assert [r.split(" | ")[1:3] for r in rows] == [["sampled, constant", "yes"],
+                                                   ["sampled, constant", "no"]]
 
 
 # ---- the command line ------------------------------------------------------------------------
@@ -1155,9 +1184,10 @@ def test_every_command_in_the_documents_is_accepted_by_its_program(tmp_path, mon
     monkeypatch.chdir(HERE)   # the commands run from the repository root
     commands = list(documented_commands())
     assert len(commands) >= 20 and {p for _, p, _ in commands} == {"resharpen.py", "plots/lab.py"}
-    for doc, program, argv in commands:
+    for doc, program, argv in commands:   # --out: given or not, a scratch folder, not runs/
         argv = [str(tmp_path / f"{i}.pt") if i and argv[i - 1] == "--save" else str(tmp_path) if i
                 and argv[i - 1] == "--out" else a for i, a in enumerate(argv)]
+        argv += ["--out", str(tmp_path)] * bool(argv and "--out" not in argv)
         if program == "resharpen.py":
             parser = R.build_parser()
             check = R.check_args
