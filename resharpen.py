@@ -10,7 +10,7 @@ its printed table, its figures and metrics.json, checkpoints, the command line, 
 The experiments of the lab notebook (grids, statistics, the formal languages, BEMA) live in
 plots/lab.py, which imports this file and plugs in through a task object, the ATTENTIONS
 table and train()'s `averagers`.
-    python resharpen.py --post-norm --ema 0.999   # the remedy, about 40 s on one CPU thread
+    python resharpen.py --post-norm --ema 0.999   # the remedy, about a minute on one CPU thread
     python resharpen.py --help                    # every flag
 """
 
