@@ -290,7 +290,7 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0, runs_file=None):
             import multiprocessing
             from multiprocessing import resource_tracker
             # The workers start with Ctrl-C blocked (inherited): this process stops them. A Ctrl-C
-            # while they start waits until they have, then stops the grid (POSIX; not Windows).
+            # while they start is not lost: it stops the grid (POSIX; not Windows).
             block = getattr(signal, "pthread_sigmask", lambda *a: set())
             resource_tracker.ensure_running()   # its first start unblocks Ctrl-C: start it now
             mask = block(signal.SIG_BLOCK, {signal.SIGINT})
