@@ -338,13 +338,13 @@ def test_ema_variance_factor_solves_the_stationary_covariance_equation():
 # Each step trains lengths 1 .. L on data drawn from --seed; the loss falls; the cosine schedule.
 @pytest.mark.parametrize("targets", ["sampled", "exact"])
 def test_a_few_hundred_steps_lower_the_loss_and_the_first_progress_line_comes_early(targets):
-    cfg = R.Config(vocab=10, train_len=5, n_embd=16, steps=160, batch_size=64,
-                   targets=targets, norm="post", device="cpu")
-    lines = []
+    cfg, lines = R.Config(vocab=10, train_len=5, n_embd=16, steps=160, batch_size=64,
+                          targets=targets, norm="post", device="cpu"), []
     _, _, losses = R.train(cfg, log=lines.append)
     first, last = mean(losses[:20]), mean(losses[-20:])
     assert last < first - 0.1 and last > R.SetComplement(cfg).loss_floor() - 0.05
-    assert lines[0].startswith("step    10/160") and len(lines) == 9   # at 10, then every 20
+    assert lines[0].startswith(f"step    10/160 | loss {mean(losses[:10]):.4f}")   # 10 losses
+    assert len(lines) == 9   # at 10, then every 20
 
 
 @pytest.mark.parametrize("targets,schedule", [("sampled", "constant"), ("exact", "cosine")])
@@ -399,7 +399,7 @@ def test_training_is_this_loop_step_by_step(targets, schedule):
 # the attention entropy is a mean over heads and layers; chunks do not change the numbers.
 class MultiHeadOracle(torch.nn.Module):
     """Outputs log p* (seen tokens at -1e9); patterns[l][h] is layer l, head h's attention:
-    'uniform' (1/s on each of the s positions seen) or 'self' (all on the last one)."""
+    'uniform' (1/s on each of the s positions seen) or 'self' (1e-8 on each earlier one)."""
 
     def __init__(self, vocab, patterns):
         super().__init__()
@@ -410,7 +410,8 @@ class MultiHeadOracle(torch.nn.Module):
         logits = R.SetComplement(self.cfg).target(idx).clamp_min(1e-30).log().clamp_min(-1e9)
         T = idx.shape[1]
         uniform = torch.ones(T, T, dtype=DT).tril() / torch.arange(1, T + 1, dtype=DT)[:, None]
-        pick = {"uniform": uniform, "self": torch.eye(T, dtype=DT)}
+        pick = {"uniform": uniform, "self": torch.full((T, T), 1e-8, dtype=DT).tril(-1)
+                + torch.diag(1 - 1e-8 * torch.arange(T, dtype=DT))}
         atts = [torch.stack([pick[p] for p in layer]).expand(idx.shape[0], -1, T, T)
                 for layer in self.patterns]
         return (logits, atts) if return_attn else logits
@@ -418,17 +419,18 @@ class MultiHeadOracle(torch.nn.Module):
 
 def test_oracle_gets_zero_tvd_and_zero_invalid_mass():
     # Zero TVD, invalid mass, KL. theory.md, section 3: attention uniform on s positions has
-    # entropy log s, on one 0; attn_entropy is the mean over heads and layers: heads (self, uniform,
-    # uniform) 2/3 log s (not a sum, first or largest); layers (uniform; self) 1/2 log s (log s, 0).
-    for patterns, share in [([["uniform"] * 3], 1.0), ([["self", "uniform", "uniform"]], 2 / 3),
-                            ([["uniform"] * 3, ["self"] * 3], 0.5)]:
+    # entropy log s, nearly all on one H(s) below; attn_entropy is the mean over heads and layers:
+    # heads (self, uniform, uniform) (2 log s + H(s)) / 3, not a sum, first or largest.
+    def H(s, p="self", e=1e-8):   # -sum w log w, for w = 1 - (s - 1) e on the last, e on the rest
+        return math.log(s) if p == "uniform" else -(1 - (s - 1) * e) * math.log1p(-(s - 1) * e) \
+            - (s - 1) * e * math.log(e)
+    for patterns in ([["uniform"] * 3], [["self", "uniform", "uniform"]],
+                     [["uniform"] * 3, ["self"] * 3]):
         m = R.evaluate(MultiHeadOracle(9, patterns), n_perm=20)
         assert max(m["tvd"]) < 1e-6 and max(m["invalid_mass"]) < 1e-6 and max(m["kl"]) < 1e-6
-        for s, h in zip(m["length"], m["attn_entropy"]):
-            assert h == pytest.approx(share * math.log(s), abs=1e-9)
-        if len(patterns) > 1:
-            for s, h1, h2 in zip(m["length"], m["attn_entropy_layer1"], m["attn_entropy_layer2"]):
-                assert h1 == pytest.approx(math.log(s), abs=1e-9) and abs(h2) < 1e-9
+        for i, layer in [("", sum(patterns, []))] + [*enumerate(patterns, 1)] * (len(patterns) > 1):
+            for s, h in zip(m["length"], m[f"attn_entropy{i and f'_layer{i}'}"]):
+                assert h == pytest.approx(mean([H(s, p) for p in layer]), rel=1e-9, abs=1e-15)
 
 
 def test_evaluation_in_chunks_equals_one_pass(monkeypatch):
