@@ -396,7 +396,7 @@ def write_file(path, write, new=False):
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         write(tmp)
-        os.link(tmp, path) if new else os.replace(tmp, path)
+        (os.link if new else os.replace)(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -559,7 +559,8 @@ def run_one(cfg, out, save=None):
                                   "loss.png": plot_loss(losses, task.loss_floor()),
                                   "metrics.json": record})
     try:
-        save and save_checkpoint(save, model, averages[0] if averages else None, cfg)
+        if save:
+            save_checkpoint(save, model, averages[0] if averages else None, cfg)
     except FileExistsError:   # another run, started with the same --save, wrote it first
         sys.exit(f"resharpen.py: --save {save}: another run wrote it first; wrote "
                  f"{', '.join(written)}")

@@ -287,15 +287,16 @@ def run_grid(runs, device, averages=("ema", "bema"), later=0, runs_file=None):
           (f"; {len(done)} done before, in {runs_file.path}" if done else ""), flush=True)
     try:
         if workers > 1:
-            import multiprocessing
-            from multiprocessing import resource_tracker
+            import multiprocessing.resource_tracker
             # The workers start with Ctrl-C blocked (inherited): this process stops them. A Ctrl-C
-            # while they start is not lost: it stops the grid (POSIX; not Windows).
-            block = getattr(signal, "pthread_sigmask", lambda *a: set())
-            resource_tracker.ensure_running()   # its first start unblocks Ctrl-C: start it now
-            mask = block(signal.SIG_BLOCK, {signal.SIGINT})
+            # while they start is not lost: it stops the grid (POSIX; Windows has no signal masks).
+            block = getattr(signal, "pthread_sigmask", None)
+            if block:   # the resource tracker's first start unblocks Ctrl-C: start it first
+                multiprocessing.resource_tracker.ensure_running()
+                mask = block(signal.SIG_BLOCK, {signal.SIGINT})
             pool = multiprocessing.get_context("spawn").Pool(workers)
-            block(signal.SIG_SETMASK, mask)
+            if block:
+                block(signal.SIG_SETMASK, mask)
             results = pool.imap_unordered(functools.partial(
                 train_and_evaluate, averages=averages, threads=1), todo)
         else:
